@@ -1,0 +1,14 @@
+"""fedge: federated and edge learning for constrained devices.
+
+Subpackages
+-----------
+server        coordinator: strategies, aggregation, checkpoints, the coordinator service
+client        client side: mods, training, device agent, ONNX Runtime inference
+compression   codecs, error feedback, wire format (pure numpy)
+partitioning  graph capture, cost model, planner, stage export, pipeline runtime
+transport     MQTT channel, Flower Grid over MQTT, broker helpers, lossy-link proxy
+simulation    engines, device/link profiles, datasets
+app           the reference Flower app and task
+"""
+
+__version__ = "0.1.0"

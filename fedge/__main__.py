@@ -1,0 +1,3 @@
+from fedge.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""The reference Flower app (ServerApp, ClientApp) and its pluggable task."""

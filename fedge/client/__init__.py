@@ -1,0 +1,1 @@
+"""Client side: mods, training, the device agent, ONNX Runtime inference."""

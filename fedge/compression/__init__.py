@@ -1,0 +1,1 @@
+"""Update compression: sparsifiers, quantizers, error feedback and the wire format (pure numpy)."""

@@ -1,0 +1,1 @@
+"""Model partitioning: graph capture, cost model, planner, stage export, pipeline runtime."""

@@ -1,0 +1,1 @@
+"""Coordinator side: strategies, aggregation, checkpoints, the coordinator service."""

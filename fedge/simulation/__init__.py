@@ -1,0 +1,1 @@
+"""Simulation mode: engines that run the Flower app with virtual clients on one machine."""
