@@ -1,0 +1,106 @@
+"""The reference app's run configuration: one dataclass, validated, with Flower's hyphenated keys.
+
+Flower hands a ServerApp its configuration as ``context.run_config`` (a flat mapping with hyphenated keys,
+from ``[tool.flwr.app.config]`` in pyproject.toml or from ``flwr run --run-config``). :class:`AppConfig` is
+that mapping as a typed, validated object; ``fedge simulate`` builds one from flags and TOML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = ["AppConfig", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that fedge cannot use; the message names it."""
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """What the reference ServerApp needs to run.
+
+    Parameters
+    ----------
+    rounds : int (default: 30)
+        Federated rounds to run (``num-server-rounds``).
+    fraction_train : float (default: 1.0)
+        Fraction of the connected nodes sampled for training each round, in (0, 1].
+    local_epochs : int (default: 2)
+        Epochs of local training per round.
+    learning_rate : float (default: 0.05)
+        Client SGD step size.
+    batch_size : int (default: 16)
+        Client batch size.
+    alpha : float (default: 0.5)
+        Dirichlet concentration of the non-IID label split; must be > 0.
+    seed : int (default: 0)
+        Seeds model initialisation, client sampling, partitioning and local shuffling.
+    task : str (default: "fedge.app.task:DigitsTask")
+        Import path of the :class:`fedge.app.task.Task` to learn.
+    out_dir : str (default: "")
+        Where metrics.json and plots go; empty writes nothing.
+    min_nodes : int (default: 1)
+        Nodes that must be connected before round 1 samples (Flower samples from whoever is there).
+    """
+
+    rounds: int = 30
+    fraction_train: float = 1.0
+    local_epochs: int = 2
+    learning_rate: float = 0.05
+    batch_size: int = 16
+    alpha: float = 0.5
+    seed: int = 0
+    task: str = "fedge.app.task:DigitsTask"
+    out_dir: str = ""
+    min_nodes: int = 1
+
+    # Flower's key for the number of rounds differs from the field name.
+    _RUN_CONFIG_KEYS: ClassVar[dict[str, str]] = {"rounds": "num-server-rounds"}
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        checks = [
+            (self.rounds >= 1, "rounds must be >= 1"),
+            (0.0 < self.fraction_train <= 1.0, "fraction_train must be in (0, 1]"),
+            (self.local_epochs >= 1, "local_epochs must be >= 1"),
+            (self.learning_rate > 0.0, "learning_rate must be > 0"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.alpha > 0.0, "alpha must be > 0"),
+            (":" in self.task, "task must be 'package.module:TaskClass'"),
+            (self.min_nodes >= 1, "min_nodes must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
+        """Build from Flower's ``context.run_config``; keys fedge does not know are left to other apps."""
+        values = {}
+        for field in dataclasses.fields(cls):
+            key = cls._RUN_CONFIG_KEYS.get(field.name, field.name.replace("_", "-"))
+            if key in run_config:
+                values[field.name] = run_config[key]
+        return cls(**values)
+
+    def to_run_config(self) -> dict[str, bool | int | float | str]:
+        """Flower's flat, hyphenated form (what ``from_run_config`` reads)."""
+        return {
+            self._RUN_CONFIG_KEYS.get(f.name, f.name.replace("_", "-")): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        }
+
+
+def _check_types(config: Any) -> None:
+    """Coerce ints given for floats; reject anything else of the wrong type, naming the key."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        expected = {"int": int, "float": float, "str": str, "bool": bool}[str(field.type)]
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(config, field.name, float(value))
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(f"{field.name} must be {expected.__name__}, got {value!r}")

@@ -1,0 +1,146 @@
+"""The reference ServerApp: FedAvg over the task's model, centralized evaluation, metrics and plots.
+
+The same app runs on fedge's local engine, Flower's Ray simulation engine, Flower's deployment engine and
+fedge's MQTT Grid: it only talks to the ``Grid`` it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg, Strategy
+
+from fedge.app.config import AppConfig
+from fedge.app.task import load_task
+from fedge.server.history import RoundMetrics, RunHistory
+from fedge.server.metered_grid import MeteredGrid
+from fedge.server.plots import plot_accuracy, plot_accuracy_vs_upload
+
+__all__ = ["app", "make_server_app", "run_federated", "train_config_record"]
+
+log = logging.getLogger(__name__)
+
+RoundListener = Callable[[RoundMetrics], None]
+
+
+def make_server_app(config: AppConfig | None = None, listeners: Iterable[RoundListener] = ()) -> ServerApp:
+    """A ServerApp running :func:`run_federated`.
+
+    Parameters
+    ----------
+    config : AppConfig, optional
+        Fixed configuration; if None, it is read from Flower's ``context.run_config`` (``flwr run``).
+    listeners : iterable of callables, optional
+        Called with each round's :class:`RoundMetrics` as it completes (progress displays).
+    """
+    server_app = ServerApp()
+    listeners = list(listeners)
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        run_federated(grid, config or AppConfig.from_run_config(context.run_config), listeners)
+
+    return server_app
+
+
+def train_config_record(config: AppConfig) -> ConfigRecord:
+    """What every client needs to train: the task, its data split and the local hyper-parameters."""
+    return ConfigRecord(
+        {
+            "task": config.task,
+            "alpha": config.alpha,
+            "seed": config.seed,
+            "local-epochs": config.local_epochs,
+            "learning-rate": config.learning_rate,
+            "batch-size": config.batch_size,
+        }
+    )
+
+
+def run_federated(
+    grid: Grid,
+    config: AppConfig,
+    listeners: Iterable[RoundListener] = (),
+    strategy: Strategy | None = None,
+) -> RunHistory:
+    """Run ``config.rounds`` of federated training on ``grid``; return (and write) the history.
+
+    Parameters
+    ----------
+    grid : Grid
+        Reaches the ClientApps.
+    config : AppConfig
+        Rounds, task and hyper-parameters.
+    listeners : iterable of callables, optional
+        Told of each completed round.
+    strategy : Strategy, optional
+        Defaults to Flower's FedAvg over all connected nodes (``fraction_train``), no federated evaluation.
+    """
+    random.seed(config.seed)  # Flower's node sampling draws from the global generator
+    torch.manual_seed(config.seed)
+    task = load_task(config.task)
+    model = task.model()
+    test_set = task.test_set()
+    metered = MeteredGrid(grid)
+    history = RunHistory(config=config.to_run_config(), listeners=list(listeners))
+    strategy = strategy or FedAvg(
+        fraction_train=config.fraction_train,
+        fraction_evaluate=0.0,
+        min_train_nodes=1,
+        min_available_nodes=config.min_nodes,
+    )
+    round_started = time.perf_counter()
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        nonlocal round_started
+        model.load_state_dict(arrays.to_torch_state_dict())
+        result = task.evaluate(model, test_set)
+        if server_round == 0:
+            history.initial_accuracy = result["accuracy"]
+        else:
+            traffic = metered.take()
+            history.add(
+                RoundMetrics(
+                    round=server_round,
+                    accuracy=result["accuracy"],
+                    loss=result["loss"],
+                    clients_sampled=traffic.sampled,
+                    clients_replied=traffic.replied,
+                    bytes_down=traffic.bytes_down,
+                    bytes_up=traffic.bytes_up,
+                    wall_s=time.perf_counter() - round_started,
+                )
+            )
+        round_started = time.perf_counter()
+        return MetricRecord({"accuracy": result["accuracy"], "loss": result["loss"]})
+
+    strategy.start(
+        grid=metered,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=config.rounds,
+        train_config=train_config_record(config),
+        evaluate_config=train_config_record(config),
+        evaluate_fn=evaluate,
+    )
+    if config.out_dir:
+        write_outputs(history, Path(config.out_dir))
+    return history
+
+
+def write_outputs(history: RunHistory, out_dir: Path) -> None:
+    """metrics.json and the two PNG plots."""
+    path = history.write(out_dir)
+    rounds = history.to_json()["rounds"]
+    plot_accuracy(rounds, out_dir / "accuracy.png")
+    plot_accuracy_vs_upload({"fedge": rounds}, out_dir / "accuracy_vs_upload.png")
+    log.info("wrote %s and plots to %s", path.name, out_dir)
+
+
+app = make_server_app()

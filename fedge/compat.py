@@ -1,0 +1,104 @@
+"""The one place fedge touches Flower's private internals.
+
+Flower 1.42 has no public API for three things a custom ``Grid`` needs: turning a ``Message`` into bytes and
+back (``flwr.common.serde``), stamping the process-wide task identity that ``Message(...)`` reads
+(``flwr.supercore.task_identity.TaskIdentity``), and building the ``Run`` that ``Grid.set_run`` takes
+(``flwr.supercore.run.Run``). Every such import lives here, pinned by ``flwr~=1.42.0`` and checked by
+``tests/test_compat.py``; when Flower moves them, this module and its contract tests are all that change.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.common import serde
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.message_pb2 import Context as ProtoContext
+from flwr.proto.message_pb2 import Message as ProtoMessage
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+from google.protobuf.message import DecodeError
+
+__all__ = [
+    "SUPERLINK_NODE_ID",
+    "MessageDecodeError",
+    "Run",
+    "context_from_bytes",
+    "context_to_bytes",
+    "make_run",
+    "message_from_bytes",
+    "message_to_bytes",
+    "set_message_id",
+    "set_task_identity",
+]
+
+DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+
+
+class MessageDecodeError(ValueError):
+    """Bytes that do not decode to a Flower ``Message`` (or ``Context``) within the size cap."""
+
+
+def message_to_bytes(message: Message) -> bytes:
+    """Serialize a Flower ``Message`` (metadata, content or error) to its protobuf wire bytes."""
+    return serde.message_to_proto(message).SerializeToString()
+
+
+def message_from_bytes(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Decode untrusted bytes into a ``Message``.
+
+    Parameters
+    ----------
+    data : bytes
+        Protobuf bytes as produced by :func:`message_to_bytes`.
+    max_bytes : int (default: 512 MiB)
+        Refuse larger inputs before parsing them.
+
+    Raises
+    ------
+    MessageDecodeError
+        If ``data`` is too large, is not a valid protobuf ``Message`` or its records do not rebuild.
+    """
+    if len(data) > max_bytes:
+        raise MessageDecodeError(f"message of {len(data)} bytes exceeds the cap of {max_bytes} bytes")
+    proto = ProtoMessage()
+    try:
+        proto.ParseFromString(data)
+        return serde.message_from_proto(proto)
+    except (DecodeError, ValueError, TypeError, KeyError) as err:
+        raise MessageDecodeError(f"not a Flower message: {err}") from err
+
+
+def context_to_bytes(context: Context) -> bytes:
+    """Serialize a node's ``Context`` (its state survives a restart when these bytes are on disk)."""
+    return serde.context_to_proto(context).SerializeToString()
+
+
+def context_from_bytes(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Context:
+    """Decode bytes from :func:`context_to_bytes`; raises :class:`MessageDecodeError` on bad input."""
+    if len(data) > max_bytes:
+        raise MessageDecodeError(f"context of {len(data)} bytes exceeds the cap of {max_bytes} bytes")
+    proto = ProtoContext()
+    try:
+        proto.ParseFromString(data)
+        return serde.context_from_proto(proto)
+    except (DecodeError, ValueError, TypeError, KeyError) as err:
+        raise MessageDecodeError(f"not a Flower context: {err}") from err
+
+
+def set_message_id(message: Message, message_id: str) -> None:
+    """Assign the id a SuperLink would assign when it accepts a message (metadata has no public setter)."""
+    message.metadata.__dict__["_message_id"] = message_id
+
+
+def set_task_identity(run_id: int, node_id: int = SUPERLINK_NODE_ID, task_id: int = 1) -> None:
+    """Stamp the process-wide identity that ``Message(content, dst_node_id, ...)`` reads for its metadata."""
+    TaskIdentity.task_id = task_id
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = node_id
+
+
+def make_run(run_id: int, override_config: dict | None = None) -> Run:
+    """An otherwise empty ``Run`` for ``Grid.set_run``."""
+    run = Run.create_empty(run_id=run_id)
+    run.override_config = dict(override_config or {})
+    return run

@@ -1,0 +1,106 @@
+"""A Grid wrapper that counts what crosses the wire, per round, on any engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flwr.app import Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedge.compat import Run, message_to_bytes
+
+__all__ = ["MeteredGrid", "RoundTraffic"]
+
+
+@dataclass
+class RoundTraffic:
+    """Messages and bytes of one round.
+
+    Counts are of training messages; bytes are the serialized size of every Flower message of the round
+    (train and evaluate), what a SuperLink or broker would carry.
+    """
+
+    sampled: int = 0
+    replied: int = 0
+    failed: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+class MeteredGrid(Grid):
+    """Delegate to ``grid`` and count its traffic until :meth:`take` hands the count over.
+
+    Flower's strategies leave ``group_id`` empty, so rounds are delimited by the caller: the ServerApp
+    calls :meth:`take` from its per-round evaluation hook.
+
+    Parameters
+    ----------
+    grid : Grid
+        The Grid of the engine in use (fedge's local or MQTT Grid, Flower's in-memory or gRPC Grid).
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+        self._traffic = RoundTraffic()
+
+    def take(self) -> RoundTraffic:
+        """The traffic since the previous call; the count starts again from zero."""
+        traffic, self._traffic = self._traffic, RoundTraffic()
+        return traffic
+
+    def set_run(self, run: Run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        messages = list(messages)
+        self._count_sent(messages)
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self._grid.pull_messages(message_ids))
+        self._count_received(replies)
+        return replies
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        messages = list(messages)
+        self._count_sent(messages)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self._count_received(replies)
+        return replies
+
+    def _count_sent(self, messages: list[Message]) -> None:
+        for message in messages:
+            traffic = self._traffic
+            traffic.sampled += message.metadata.message_type == MessageType.TRAIN
+            traffic.bytes_down += len(message_to_bytes(message))
+
+    def _count_received(self, replies: list[Message]) -> None:
+        for reply in replies:
+            traffic = self._traffic
+            traffic.bytes_up += len(message_to_bytes(reply))
+            if reply.metadata.message_type != MessageType.TRAIN:
+                continue
+            if reply.has_error():
+                traffic.failed += 1
+            else:
+                traffic.replied += 1

@@ -1,0 +1,78 @@
+"""``fedge simulate`` configuration: the app's settings plus where and how many clients run."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedge.app.config import AppConfig, ConfigError
+
+__all__ = ["ENGINES", "SimulationConfig"]
+
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """A simulation run.
+
+    Parameters
+    ----------
+    clients : int (default: 20)
+        Virtual clients (Flower nodes), each with its own data partition.
+    engine : str (default: "local")
+        ``local`` (in-process Grid, fast) or ``ray`` (Flower's simulation engine).
+    workers : int (default: 2)
+        ClientApps run at once by the local engine (Ray: concurrent actors).
+    app : AppConfig
+        Rounds, task, data split and training hyper-parameters.
+    """
+
+    clients: int = 20
+    engine: str = "local"
+    workers: int = 2
+    app: AppConfig = field(default_factory=AppConfig)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; choose one of: {', '.join(ENGINES)}")
+        if isinstance(self.clients, bool) or not isinstance(self.clients, int) or self.clients < 1:
+            raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> SimulationConfig:
+        """Build from flat keys (``clients``, ``rounds``, ``alpha``, ...); unknown keys are an error."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"app"}
+        app_keys = {f.name for f in dataclasses.fields(AppConfig)}
+        unknown = sorted(set(values) - own - app_keys)
+        if unknown:
+            raise ConfigError(
+                f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(own | app_keys))}"
+            )
+        app = AppConfig(**{k: v for k, v in values.items() if k in app_keys})
+        return cls(app=app, **{k: v for k, v in values.items() if k in own})
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> SimulationConfig:
+        """Read a flat TOML file, then apply ``overrides`` (e.g. command-line flags)."""
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as err:
+            raise ConfigError(f"config file {path} does not exist") from err
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {path} is not valid TOML: {err}") from err
+        return cls.from_mapping({**values, **(overrides or {})})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "clients": self.clients,
+            "engine": self.engine,
+            "workers": self.workers,
+            **dataclasses.asdict(self.app),
+        }
