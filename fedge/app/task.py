@@ -118,7 +118,7 @@ class Task(ABC):
 
 
 def load_task(path: str) -> Task:
-    """Instantiate a task from ``"package.module:TaskClass"``; raise :class:`TaskLoadError` naming the problem."""
+    """Instantiate a task from ``"package.module:TaskClass"``; raise :class:`TaskLoadError` if it fails."""
     module_name, sep, class_name = path.partition(":")
     if not sep or not module_name or not class_name:
         raise TaskLoadError(f"task {path!r} is not of the form 'package.module:TaskClass'")
