@@ -104,10 +104,11 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under a minute."),
 ) -> None:
     """Run a benchmark from bench/ and compare it with its baseline."""
-    available = sorted(p.stem for p in _BENCH_DIR.glob("[!_]*.py"))
+    available = sorted(p.stem.replace("_", "-") for p in _BENCH_DIR.glob("[!_]*.py"))
+    name = name.replace("_", "-")
     if name not in available:
         raise fail(f"unknown bench {name!r}; available: {', '.join(available) or 'none'}")
-    args = [sys.executable, str(_BENCH_DIR / f"{name}.py")]
+    args = [sys.executable, str(_BENCH_DIR / f"{name.replace('-', '_')}.py")]
     args += ["--json"] if json_out else []
     args += ["--quick"] if quick else []
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
