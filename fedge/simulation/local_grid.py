@@ -21,7 +21,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from fedge.compat import Run, message_from_bytes, message_to_bytes, set_message_id
+from fedge.compat import SUPERLINK_NODE_ID, Run, message_from_bytes, message_to_bytes, set_message_id
 
 __all__ = ["LocalGrid"]
 
@@ -48,11 +48,11 @@ class LocalGrid(Grid):
             raise ValueError("num_nodes must be >= 1")
         self._client_app = client_app
         self._run = Run.create_empty(run_id)
-        # Node ids start at 1: Flower reserves 0 for the SuperLink.
+        # Node ids follow the SuperLink's own id, which Flower reserves.
         self.contexts: dict[int, Context] = {
-            i + 1: Context(
+            SUPERLINK_NODE_ID + 1 + i: Context(
                 run_id=run_id,
-                node_id=i + 1,
+                node_id=SUPERLINK_NODE_ID + 1 + i,
                 node_config={"partition-id": i, "num-partitions": num_nodes},
                 state=RecordDict(),
                 run_config={},

@@ -1,0 +1,82 @@
+"""`fedge` command line: help, a real small run, and bad input that ends in one line, not a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from fedge.cli import app
+
+runner = CliRunner()
+
+
+def test_help_lists_subcommands():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("simulate", "bench"):
+        assert command in result.output
+
+
+def test_simulate_small_run_writes_metrics(tmp_path):
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["simulate", "--clients", "3", "--rounds", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["rounds"]) == 2
+    assert "fedge simulate (local)" in result.output  # the summary table
+
+
+def test_config_file_and_flags_combine(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('clients = 3\nrounds = 1\nalpha = 2.0\nlocal_epochs = 1\nengine = "local"\n')
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["simulate", "--config", str(config), "--rounds", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["alpha"] == 2.0 and len(metrics["rounds"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "toml", "needle"),
+    [
+        (["--engine", "quantum"], None, "unknown engine 'quantum'"),
+        (["--task", "nowhere.module:Task"], None, "does not import"),
+        (["--clients", "0"], None, "clients must be"),
+        (["--alpha", "0"], None, "alpha must be > 0"),
+        (["--rounds", "0"], None, "rounds must be >= 1"),
+        ([], "clients = 4\nroundz = 3\n", "unknown config key 'roundz'"),
+        ([], "alpha = -1.0\n", "alpha must be > 0"),
+        ([], "clients = 'many'\n", "clients must be an integer"),
+        ([], "this is not toml", "not valid TOML"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, toml, needle):
+    if toml is not None:
+        path = tmp_path / "bad.toml"
+        path.write_text(toml)
+        args = [*args, "--config", str(path)]
+    result = runner.invoke(app, ["simulate", *args])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("error:") and needle in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_missing_config_file_and_unknown_bench(tmp_path):
+    result = runner.invoke(app, ["simulate", "--config", str(tmp_path / "absent.toml")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    result = runner.invoke(app, ["bench", "no-such-bench"])
+    assert result.exit_code == 2 and "unknown bench" in result.output
+
+
+def test_bad_input_in_a_real_process_prints_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedge", "simulate", "--engine", "quantum"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stderr.strip() == "error: unknown engine 'quantum'; choose one of: local, ray"

@@ -1,0 +1,92 @@
+"""Contract tests for the Flower internals fedge relies on (fedge/compat.py)."""
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from fedge.compat import (
+    SUPERLINK_NODE_ID,
+    MessageDecodeError,
+    context_from_bytes,
+    context_to_bytes,
+    make_run,
+    message_from_bytes,
+    message_to_bytes,
+    set_message_id,
+    set_task_identity,
+)
+
+
+def _instruction() -> Message:
+    set_task_identity(run_id=77)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({"w": Array(np.arange(6, dtype=np.float32).reshape(2, 3))}),
+            "config": ConfigRecord({"lr": 0.1, "blob": b"\x00\x01"}),
+        }
+    )
+    message = Message(content, dst_node_id=5, message_type="train", group_id="3", ttl=60.0)
+    set_message_id(message, "abc")
+    return message
+
+
+def test_task_identity_feeds_message_metadata():
+    message = _instruction()
+    assert message.metadata.run_id == 77
+    assert message.metadata.src_node_id == SUPERLINK_NODE_ID
+    assert message.metadata.message_id == "abc"
+
+
+def test_message_round_trip_keeps_metadata_and_content():
+    message = _instruction()
+    back = message_from_bytes(message_to_bytes(message))
+    for field in (
+        "run_id",
+        "message_id",
+        "src_node_id",
+        "dst_node_id",
+        "group_id",
+        "ttl",
+        "message_type",
+        "created_at",
+    ):
+        assert getattr(back.metadata, field) == getattr(message.metadata, field), field
+    np.testing.assert_array_equal(back.content["arrays"]["w"].numpy(), message.content["arrays"]["w"].numpy())
+    assert back.content["config"]["blob"] == b"\x00\x01"
+
+
+def test_reply_round_trip_keeps_reply_to():
+    message = _instruction()
+    reply = Message(RecordDict({"metrics": MetricRecord({"num-examples": 3})}), reply_to=message)
+    back = message_from_bytes(message_to_bytes(reply))
+    assert back.metadata.reply_to_message_id == "abc"
+    assert back.metadata.dst_node_id == SUPERLINK_NODE_ID and back.metadata.src_node_id == 5
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff", b"\x0a\x05abc", bytes(range(256))])
+def test_garbage_is_a_decode_error(garbage):
+    with pytest.raises(MessageDecodeError):
+        message_from_bytes(garbage)
+
+
+def test_size_cap_is_checked_before_parsing():
+    with pytest.raises(MessageDecodeError, match="exceeds the cap"):
+        message_from_bytes(message_to_bytes(_instruction()), max_bytes=10)
+
+
+def test_context_round_trip_keeps_state():
+    context = Context(
+        run_id=1,
+        node_id=9,
+        node_config={"partition-id": 2},
+        state=RecordDict({"ef": ArrayRecord({"r": Array(np.ones(4, dtype=np.float32))})}),
+        run_config={"seed": 3},
+    )
+    back = context_from_bytes(context_to_bytes(context))
+    assert back.node_id == 9 and back.node_config["partition-id"] == 2 and back.run_config["seed"] == 3
+    np.testing.assert_array_equal(back.state["ef"]["r"].numpy(), np.ones(4, dtype=np.float32))
+
+
+def test_make_run_carries_override_config():
+    run = make_run(5, {"num-server-rounds": 2})
+    assert run.run_id == 5 and run.override_config == {"num-server-rounds": 2}

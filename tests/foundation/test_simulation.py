@@ -1,0 +1,115 @@
+"""The local engine: reproducible runs, persistent node contexts, failures that do not stop a round."""
+
+import json
+
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from fedge.app.client_app import train as reference_train
+from fedge.app.config import AppConfig
+from fedge.app.server_app import run_federated
+from fedge.compat import set_task_identity
+from fedge.simulation.config import SimulationConfig
+from fedge.simulation.engines import run_simulation
+from fedge.simulation.local_grid import LocalGrid
+
+SMALL = AppConfig(rounds=2, local_epochs=1)
+
+
+def _metrics(seed: int) -> list[tuple]:
+    config = SimulationConfig(clients=4, app=AppConfig(rounds=2, local_epochs=1, seed=seed))
+    history = run_simulation(config)
+    return [(r.accuracy, r.loss, r.bytes_up, r.bytes_down, r.clients_replied) for r in history.rounds]
+
+
+def test_same_seed_same_metrics_other_seed_other_metrics():
+    first, second, other = _metrics(3), _metrics(3), _metrics(4)
+    assert first == second
+    assert [m[:2] for m in first] != [m[:2] for m in other]
+
+
+def test_run_writes_metrics_json_and_plots(tmp_path):
+    config = SimulationConfig(clients=3, app=AppConfig(rounds=2, local_epochs=1, out_dir=str(tmp_path)))
+    run_simulation(config)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["config"]["num-server-rounds"] == 2
+    assert [r["round"] for r in metrics["rounds"]] == [1, 2]
+    keys = {
+        "round",
+        "accuracy",
+        "loss",
+        "clients_sampled",
+        "clients_replied",
+        "bytes_down",
+        "bytes_up",
+        "wall_s",
+    }
+    for row in metrics["rounds"]:
+        assert keys <= set(row)
+        assert row["clients_sampled"] == row["clients_replied"] == 3
+        # 3 models of ~72k float32 parameters each way, plus message overhead
+        assert 3 * 4 * 71_000 < row["bytes_up"] < 3 * 4 * 80_000
+    for png in ("accuracy.png", "accuracy_vs_upload.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _counting_app(fail_on_partition: int | None = None) -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if context.node_config["partition-id"] == fail_on_partition:
+            raise RuntimeError("device out of memory")
+        calls = int(context.state["count"]["calls"]) + 1 if "count" in context.state else 1
+        context.state["count"] = MetricRecord({"calls": calls})
+        metrics = MetricRecord({"num-examples": 1, "calls": calls})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+def _send_round(grid: LocalGrid) -> list[Message]:
+    set_task_identity(run_id=1)
+    arrays = ArrayRecord()
+    messages = [Message(RecordDict({"arrays": arrays}), node, "train") for node in grid.get_node_ids()]
+    return list(grid.send_and_receive(messages))
+
+
+def test_node_context_persists_across_rounds():
+    grid = LocalGrid(_counting_app(), num_nodes=3)
+    try:
+        _send_round(grid)
+        replies = _send_round(grid)
+    finally:
+        grid.shutdown()
+    assert sorted(r.content["metrics"]["calls"] for r in replies) == [2, 2, 2]
+    assert [r.metadata.src_node_id for r in replies] == list(grid.get_node_ids())
+
+
+def test_a_failing_client_becomes_an_error_reply():
+    grid = LocalGrid(_counting_app(fail_on_partition=1), num_nodes=3)
+    try:
+        replies = _send_round(grid)
+    finally:
+        grid.shutdown()
+    errors = [r for r in replies if r.has_error()]
+    assert len(replies) == 3 and len(errors) == 1
+    assert "device out of memory" in errors[0].error.reason
+
+
+def test_failed_replies_are_counted_and_the_run_completes():
+    def flaky(msg: Message, context: Context, call_next):
+        if context.node_config["partition-id"] == 0:
+            raise RuntimeError("battery low")
+        return call_next(msg, context)
+
+    app = ClientApp(mods=[flaky])
+    app.train()(reference_train)
+    grid = LocalGrid(app, num_nodes=3)
+    try:
+        strategy = FedAvg(fraction_evaluate=0.0, min_train_nodes=1, min_available_nodes=3)
+        history = run_federated(grid, SMALL, strategy=strategy)
+    finally:
+        grid.shutdown()
+    assert [(r.clients_sampled, r.clients_replied) for r in history.rounds] == [(3, 2), (3, 2)]

@@ -1,0 +1,67 @@
+"""The reference task and task loading."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedge.app.task import DigitsTask, TaskLoadError, TrainConfig, load_task
+
+
+def test_partitions_are_disjoint_and_cover_the_training_split():
+    task = DigitsTask()
+    parts = [task.load_partition(i, 10, alpha=0.5, seed=0) for i in range(10)]
+    total = sum(len(labels) for _, labels in parts)
+    train_features, _ = task.load_partition(0, 1, alpha=0.5, seed=0)
+    assert total == len(train_features)
+    rows = {tuple(x.flatten().tolist()) for features, _ in parts for x in features}
+    assert len(rows) > 0.95 * total  # digits has a few duplicate images; partitions do not repeat rows
+
+
+def test_small_alpha_gives_skewed_label_mixes():
+    task = DigitsTask()
+
+    def skew(alpha: float) -> float:
+        shares = []
+        for i in range(10):
+            _, labels = task.load_partition(i, 10, alpha=alpha, seed=1)
+            counts = np.bincount(labels.numpy(), minlength=10)
+            shares.append(counts.max() / max(counts.sum(), 1))
+        return float(np.mean(shares))
+
+    assert skew(0.1) > skew(100.0) + 0.2
+
+
+def test_test_set_is_fixed_and_separate():
+    task = DigitsTask()
+    features, labels = task.test_set()
+    assert len(labels) == 360 and features.shape[1:] == (1, 8, 8)
+    assert torch.equal(task.test_set()[1], labels)
+
+
+def test_training_improves_accuracy_and_is_reproducible():
+    task = DigitsTask()
+    data = task.load_partition(0, 1, alpha=0.5, seed=0)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = task.model()
+        before = task.evaluate(model, task.test_set())["accuracy"]
+        metrics = task.train(model, data, TrainConfig(epochs=2, seed=4))
+        results.append((task.evaluate(model, task.test_set())["accuracy"], metrics["train_loss"]))
+    assert results[0] == results[1]
+    assert results[0][0] > before + 0.5
+    assert metrics["num-examples"] == len(data[1])
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("no_colon_here", "not of the form"),
+        ("fedge.no_such_module:Task", "does not import"),
+        ("fedge.app.task:NoSuchClass", "does not name"),
+        ("fedge.app.task:TrainConfig", "does not name"),
+    ],
+)
+def test_bad_task_paths_name_the_problem(path, message):
+    with pytest.raises(TaskLoadError, match=message):
+        load_task(path)
