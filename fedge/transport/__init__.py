@@ -1,1 +1,1 @@
-"""MQTT transport: reliable channel, Flower Grid over MQTT, broker helpers, lossy-link proxy."""
+"""MQTT transport: reliable channel, broker helpers, lossy-link proxy."""

@@ -1,0 +1,259 @@
+"""Brokers for tests, benchmarks and the one-machine default.
+
+:class:`MosquittoBroker` runs a real Mosquitto on a free loopback port with a generated config (persistence on),
+and can be stopped and started again on the same port and persistence directory. :class:`EmbeddedBroker` runs
+amqtt (pure Python, MQTT 3.1.1 only) in a background thread with its own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EmbeddedBroker", "MosquittoBroker", "free_port", "wait_for_port"]
+
+logger = logging.getLogger(__name__)
+
+MOSQUITTO = "/usr/sbin/mosquitto"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (bind port 0 and let the kernel choose)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float = 10.0) -> None:
+    """Block until ``host:port`` accepts TCP connections; raise TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"nothing accepts connections on {host}:{port} after {timeout_s:g} s"
+                ) from None
+            time.sleep(0.02)
+
+
+class MosquittoBroker:
+    """A Mosquitto process on loopback for tests and benchmarks.
+
+    Parameters
+    ----------
+    workdir : str or Path, optional
+        Where config, log and persistence file go; a new temporary directory (removed on :meth:`stop`) if None.
+    port : int, default 0
+        0 picks a free port once; restarts reuse it.
+    persistence : bool, default True
+        Keep sessions, subscriptions, queued and retained messages across restarts (saved on shutdown).
+    max_packet_size : int, optional
+        Broker's Maximum Packet Size (announced to MQTT 5 clients in CONNACK).
+    max_queued_messages : int, default 1000
+        Messages queued per client beyond the in-flight ones (Mosquitto drops the rest silently).
+    extra_config : list of str, optional
+        More config lines (e.g. ``password_file``, ``acl_file``); anonymous access is allowed unless these
+        contain an ``allow_anonymous`` line.
+    binary : str, default "/usr/sbin/mosquitto"
+        The broker executable.
+    """
+
+    def __init__(
+        self,
+        workdir: str | Path | None = None,
+        *,
+        port: int = 0,
+        persistence: bool = True,
+        max_packet_size: int | None = None,
+        max_queued_messages: int = 1000,
+        extra_config: list[str] | None = None,
+        binary: str = MOSQUITTO,
+    ) -> None:
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedge-mosquitto-"))
+        self.port = port or free_port()
+        self.binary = binary
+        extra = list(extra_config or [])
+        lines = [f"listener {self.port} 127.0.0.1", f"max_queued_messages {max_queued_messages}"]
+        if not any(line.startswith("allow_anonymous") for line in extra):
+            lines.append("allow_anonymous true")
+        if persistence:
+            lines += ["persistence true", f"persistence_location {self.workdir}/", "autosave_interval 60"]
+        if max_packet_size is not None:
+            lines.append(f"max_packet_size {max_packet_size}")
+        lines += [f"log_dest file {self.workdir / 'mosquitto.log'}", "log_type error", "log_type warning"]
+        self.config_path = self.workdir / "mosquitto.conf"
+        self.config_path.write_text("\n".join(lines + extra) + "\n")
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``mqtt://127.0.0.1:<port>``."""
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> MosquittoBroker:
+        """Start the broker and wait until it accepts connections."""
+        if self._process is not None:
+            raise RuntimeError("broker already running")
+        self._process = subprocess.Popen(
+            [self.binary, "-c", str(self.config_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        try:
+            wait_for_port("127.0.0.1", self.port, timeout_s)
+        except TimeoutError:
+            self.kill()
+            log = (
+                (self.workdir / "mosquitto.log").read_text()
+                if (self.workdir / "mosquitto.log").exists()
+                else ""
+            )
+            raise RuntimeError(f"mosquitto did not start on port {self.port}: {log.strip()[-500:]}") from None
+        return self
+
+    def kill(self) -> None:
+        """Stop at once (SIGKILL): nothing is saved."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop gracefully (SIGTERM): Mosquitto saves its persistence file; the directory is kept."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+
+    def restart(self) -> None:
+        """Shut down and start again on the same port and persistence directory."""
+        self.shutdown()
+        self.start()
+
+    def stop(self) -> None:
+        """Shut down and remove the working directory if this object created it."""
+        self.shutdown()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> MosquittoBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _QuietProtocolRefusals(logging.Filter):
+    """amqtt logs a traceback for every MQTT 5 connect it refuses; fedge's clients then fall back to 3.1.1."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return "Invalid protocol" not in f"{record.getMessage()} {error}"
+
+
+class EmbeddedBroker:
+    """amqtt, the pure-Python MQTT 3.1.1 broker, in a background thread (or the foreground with :meth:`serve`).
+
+    Parameters
+    ----------
+    host : str, default "127.0.0.1"
+        Address to listen on.
+    port : int, default 0
+        0 picks a free port.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._broker: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``mqtt://<host>:<port>``."""
+        return f"mqtt://{self.host}:{self.port}"
+
+    def config(self) -> dict[str, Any]:
+        """The amqtt configuration: one TCP listener, anonymous access."""
+        return {
+            "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
+            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+        }
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """Run the broker on the current event loop until ``stop`` is set (forever if None)."""
+        from amqtt.broker import Broker  # optional dependency: fedge[broker]
+
+        for name in ("amqtt.broker", "amqtt.mqtt.protocol.broker_handler"):
+            logging.getLogger(name).addFilter(_QuietProtocolRefusals())
+        self._broker = Broker(self.config())
+        await self._broker.start()
+        try:
+            await (stop or asyncio.Event()).wait()
+        finally:
+            await self._broker.shutdown()
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedBroker:
+        """Start in a daemon thread and wait until the port accepts connections."""
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop_event: asyncio.Event | None = None
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            assert self._loop is not None
+            asyncio.set_event_loop(self._loop)
+
+            async def main() -> None:
+                self._stop_event = asyncio.Event()
+                ready.set()
+                await self.serve(self._stop_event)
+
+            try:
+                self._loop.run_until_complete(main())
+            except BaseException as err:  # reported by start()
+                errors.append(err)
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name="fedge-amqtt", daemon=True)
+        self._thread.start()
+        ready.wait(timeout_s)
+        try:
+            wait_for_port(self.host, self.port, timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"embedded broker did not start on port {self.port}: {errors[:1]}") from None
+        return self
+
+    def stop(self) -> None:
+        """Shut the broker down and end its thread."""
+        if self._loop is None or self._thread is None:
+            return
+        if self._stop_event is not None:
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+        self._thread.join(timeout=10)
+        with contextlib.suppress(RuntimeError):
+            self._loop.close()
+        self._loop = self._thread = None
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

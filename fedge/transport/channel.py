@@ -1,0 +1,298 @@
+"""The reliable channel: chunked, windowed, resumable, deduplicated messages over one MQTT connection.
+
+Threads: paho's network thread decodes frames and runs the receiver and the ACK handling; one pump thread
+publishes chunks as windows open, probes stalled transfers, expires old state and runs timers. Shared state is
+guarded by one condition variable; paho is never called with it held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+
+from fedge.transport.config import MqttConfig
+from fedge.transport.connection import MqttConnection, Will
+from fedge.transport.frames import (
+    MAX_MESSAGE_ID_BYTES,
+    AckFrame,
+    DataFrame,
+    FrameError,
+    FrameLimits,
+    ProbeFrame,
+    data_header_size,
+    decode_frame,
+    encode_ack,
+)
+from fedge.transport.receiver import Completed, Reassembler, ReceiverStats
+from fedge.transport.sender import OutgoingTransfer, SenderStats, TransferError, TransferHandle
+from fedge.transport.topics import ack_topic
+
+__all__ = ["ReliableChannel"]
+
+logger = logging.getLogger(__name__)
+
+_TICK_S = 0.25
+_EXPIRE_EVERY_S = 1.0
+# Bytes of an MQTT PUBLISH besides topic and payload: fixed header, topic length, packet id, properties.
+_MQTT_OVERHEAD = 32
+
+
+class ReliableChannel:
+    """Sends and receives whole messages over MQTT; the endpoints decide the topics.
+
+    Parameters
+    ----------
+    config : MqttConfig
+        Connection and transfer settings.
+    client_id : str
+        Stable MQTT client id.
+    on_complete : callable(Completed)
+        Called from paho's thread once per delivered message; keep it short (e.g. put on a queue).
+    will : callable returning Will, optional
+        Last will for each (re)connect (see :class:`MqttConnection`).
+    on_connected : callable(first: bool), optional
+        Called after each successful (re)connect, from paho's thread.
+    """
+
+    def __init__(
+        self,
+        config: MqttConfig,
+        client_id: str,
+        *,
+        on_complete: Callable[[Completed], None],
+        will: Callable[[], Will] | None = None,
+        on_connected: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.settings = config.transfer
+        self.connection = MqttConnection(
+            config, client_id, will=will, on_connected=self._handle_connected, on_disconnected=self._wake
+        )
+        self.receiver_stats: ReceiverStats
+        self.sender_stats = SenderStats()
+        self.ack_drops: Counter[str] = Counter()
+        self._on_complete = on_complete
+        self._on_connected = on_connected
+        self._limits = FrameLimits(max_chunk_size=self.settings.max_chunk_size)
+        self._reassembler = Reassembler(self.settings)
+        self.receiver_stats = self._reassembler.stats
+        self._transfers: dict[bytes, OutgoingTransfer] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._reconnected_at = 0.0
+        self._report_at: float | None = None
+        self._next_expire = 0.0
+        self._timers: list[Callable[[float], None]] = []
+        self._pump = threading.Thread(target=self._run_pump, name=f"fedge-pump-{client_id}", daemon=True)
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    def listen(self, data_filter: str) -> None:
+        """Receive messages published on topics matching ``data_filter`` (acknowledged on ``<topic>/ack``)."""
+        self.connection.route(data_filter, self._handle_data)
+
+    def listen_acks(self, ack_filter: str) -> None:
+        """Take acknowledgements for our transfers from topics matching ``ack_filter``."""
+        self.connection.route(ack_filter, self._handle_ack)
+
+    def add_timer(self, callback: Callable[[float], None]) -> None:
+        """Call ``callback(now_s)`` from the pump thread about every 0.25 s."""
+        self._timers.append(callback)
+
+    def start(self) -> None:
+        """Connect (see :meth:`MqttConnection.start`) and start the pump thread."""
+        self.connection.start()
+        self._pump.start()
+
+    def close(self) -> None:
+        """Fail unfinished transfers, stop the pump and disconnect."""
+        with self._cond:
+            self._closed = True
+            for transfer in self._transfers.values():
+                transfer.fail("channel closed")
+            self._transfers.clear()
+            self._cond.notify_all()
+        if self._pump.is_alive():
+            self._pump.join(timeout=5)
+        self.connection.close()
+
+    # ----------------------------------------------------------------------------------------------- sending
+    def send(
+        self,
+        topic: str,
+        payload: bytes | bytearray | memoryview,
+        *,
+        message_id: str | None = None,
+        expiry_s: float | None = None,
+    ) -> TransferHandle:
+        """Start sending ``payload`` to the receiver of ``topic``; return at once with a handle to wait on.
+
+        Parameters
+        ----------
+        topic : str
+            Data topic of the receiver.
+        payload : bytes-like
+            The message; kept by reference (do not modify) until the transfer finishes.
+        message_id : str or None, default None
+            Application id (1-200 UTF-8 bytes); the receiver delivers each id at most once. None makes a UUID.
+        expiry_s : float or None, default None
+            Lifetime; None uses ``settings.message_expiry_s``.
+        """
+        message_id = uuid.uuid4().hex if message_id is None else message_id
+        if not 0 < len(message_id.encode()) <= MAX_MESSAGE_ID_BYTES:
+            raise ValueError(f"message_id must be 1-{MAX_MESSAGE_ID_BYTES} UTF-8 bytes")
+        size = memoryview(payload).nbytes
+        if size > self.settings.max_message_bytes:
+            raise ValueError(
+                f"message of {size} bytes exceeds max_message_bytes {self.settings.max_message_bytes}"
+            )
+        expiry_s = self.settings.message_expiry_s if expiry_s is None else expiry_s
+        if expiry_s <= 0:
+            raise ValueError("expiry_s must be positive")
+        room = (
+            self.connection.max_packet_size
+            - data_header_size(message_id)
+            - len(topic.encode())
+            - _MQTT_OVERHEAD
+        )
+        chunk_size = min(self.settings.chunk_size, room)
+        if chunk_size < 1:
+            raise ValueError(
+                f"broker maximum packet size {self.connection.max_packet_size} leaves no room for data"
+            )
+        window = max(1, min(self.settings.window, self.connection.receive_maximum))
+        transfer = OutgoingTransfer(
+            topic, payload, message_id, chunk_size, window, time.time() + expiry_s, self.settings.ack_timeout_s,
+            self.sender_stats,
+        )  # fmt: skip
+        with self._cond:
+            if self._closed:
+                raise TransferError("channel closed")
+            self._transfers[transfer.transfer_id] = transfer
+            self._cond.notify_all()
+        return transfer.handle
+
+    def _run_pump(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.time()
+                chunks, probes = self._collect(now)
+                reports = self._due_reports(now)
+                if not (chunks or probes or reports):
+                    self._cond.wait(_TICK_S)
+                    continue
+            self._publish_chunks(chunks, now)
+            for topic, frame in probes:
+                self.connection.publish(topic, frame, qos=0)
+            for topic, ack in reports:
+                self.connection.publish(ack_topic(topic), encode_ack(ack))
+
+    def _collect(self, now: float) -> tuple[list[tuple[OutgoingTransfer, int]], list[tuple[str, bytes]]]:
+        """Under the lock: chunks whose window opened and probes due; expire transfers; run timers."""
+        chunks: list[tuple[OutgoingTransfer, int]] = []
+        probes: list[tuple[str, bytes]] = []
+        for transfer in list(self._transfers.values()):
+            if transfer.expire(now):
+                self.sender_stats.failed += 1
+                del self._transfers[transfer.transfer_id]
+                continue
+            if not self.connection.connected:
+                continue
+            chunks += [(transfer, index) for index in transfer.due(now)]
+            probe = transfer.probe(now)
+            if probe is not None:
+                self.sender_stats.probes += 1
+                probes.append((transfer.topic, probe))
+        if now >= self._next_expire:
+            self._next_expire = now + _EXPIRE_EVERY_S
+            self._reassembler.expire(now)
+            for timer in self._timers:
+                timer(now)
+        return chunks, probes
+
+    def _due_reports(self, now: float) -> list[tuple[str, AckFrame]]:
+        """Under the lock: after a reconnect, the receiver's report of chunks it still lacks."""
+        if self._report_at is None or now < self._report_at:
+            return []
+        self._report_at = None
+        reports = self._reassembler.missing_report(self._reconnected_at)
+        if reports:
+            logger.info("reporting missing chunks of %d partial transfers after reconnect", len(reports))
+        return reports
+
+    def _publish_chunks(self, chunks: list[tuple[OutgoingTransfer, int]], now: float) -> None:
+        for transfer, index in chunks:
+            deadline_ms = int(transfer.deadline_s * 1000)
+            self.connection.publish(
+                transfer.topic, transfer.frame(index, deadline_ms), expiry_s=transfer.deadline_s - now
+            )
+
+    def _handle_ack(self, topic: str, payload: bytes) -> None:
+        """paho thread: an ACK for one of our transfers."""
+        try:
+            ack = decode_frame(payload, self._limits)
+        except FrameError as err:
+            self.ack_drops[err.reason] += 1
+            return
+        now = time.time()
+        with self._cond:
+            transfer = self._transfers.get(ack.transfer_id) if isinstance(ack, AckFrame) else None
+            if transfer is None or ack_topic(transfer.topic) != topic:
+                self.sender_stats.unknown_acks += 1
+                return
+            resend = transfer.on_ack(ack, now)
+            if transfer.finished:
+                del self._transfers[transfer.transfer_id]
+                if transfer.handle.error is None:
+                    self.sender_stats.delivered += 1
+                else:
+                    self.sender_stats.failed += 1
+                    logger.warning("%s", transfer.handle.error)
+            self._cond.notify_all()
+        self._publish_chunks([(transfer, index) for index in resend], now)
+
+    # ----------------------------------------------------------------------------------------------- receiving
+    def _handle_data(self, topic: str, payload: bytes) -> None:
+        """paho thread: a DATA or PROBE frame for us."""
+        try:
+            frame = decode_frame(payload, self._limits)
+        except FrameError as err:
+            with self._cond:
+                self.receiver_stats.dropped[err.reason] += 1
+            return
+        completed = None
+        with self._cond:
+            if isinstance(frame, DataFrame):
+                ack, completed = self._reassembler.on_data(topic, frame, time.time())
+            elif isinstance(frame, ProbeFrame):
+                ack = self._reassembler.on_probe(topic, frame)
+            else:
+                self.receiver_stats.dropped["kind"] += 1
+                return
+        if ack is not None:
+            self.connection.publish(ack_topic(topic), encode_ack(ack))
+        if completed is not None:
+            self._on_complete(completed)
+
+    def _handle_connected(self, session_present: bool, first: bool) -> None:
+        """paho thread: after each CONNACK."""
+        now = time.time()
+        with self._cond:
+            if not first:
+                self._reconnected_at = now
+                # Queued chunks arrive first when the broker kept our session; report what is still missing after.
+                self._report_at = now + (self.settings.resume_settle_s if session_present else 0.0)
+                for transfer in self._transfers.values():
+                    transfer.pause_probes(now)
+            self._cond.notify_all()
+        if self._on_connected is not None:
+            self._on_connected(first)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()

@@ -1,0 +1,281 @@
+"""One MQTT connection on paho-mqtt 2.x: protocol choice, persistent session, TLS, will, broker limits.
+
+This is the I/O edge under the channel. It picks MQTT 5 when the broker speaks it and 3.1.1 otherwise, keeps
+the session across reconnects (clean start off, session expiry), re-subscribes on every connect, reads the
+broker's Maximum Packet Size and Receive Maximum from CONNACK, and refreshes the last will before each
+(re)connect so it can carry the epoch of that connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from fedge.transport.config import MqttConfig
+
+__all__ = ["MqttConnection", "Will"]
+
+logger = logging.getLogger(__name__)
+
+# MQTT's own ceiling on a packet (remaining length is at most 268,435,455 bytes).
+MQTT_MAX_PACKET = 268_435_455
+_UNSUPPORTED_PROTOCOL = (0x84, 1)  # MQTT 5 reason code, MQTT 3.1.1 CONNACK return code
+_AUTH_FAILURES = (0x86, 0x87, 4, 5)  # bad user name or password / not authorized (v5, v3)
+
+MessageHandler = Callable[[str, bytes], None]
+
+
+@dataclass(frozen=True)
+class Will:
+    """A last will: published by the broker (after ``delay_s`` with MQTT 5) if the connection dies."""
+
+    topic: str
+    payload: bytes
+    delay_s: int = 0
+
+
+class MqttConnection:
+    """A paho client that stays connected, with the settings fedge needs.
+
+    Parameters
+    ----------
+    config : MqttConfig
+        Broker address, credentials, TLS, keepalive, protocol and reconnect settings.
+    client_id : str
+        Stable client id (the broker keys the persistent session on it).
+    will : callable returning Will, or None, default None
+        Called before every (re)connect; the returned will is sent in that CONNECT.
+    on_connected : callable(session_present: bool, first: bool), optional
+        Called from paho's thread after each successful CONNACK (after re-subscribing).
+    on_disconnected : callable(), optional
+        Called from paho's thread when the connection drops.
+    """
+
+    def __init__(
+        self,
+        config: MqttConfig,
+        client_id: str,
+        *,
+        will: Callable[[], Will] | None = None,
+        on_connected: Callable[[bool, bool], None] | None = None,
+        on_disconnected: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.client_id = client_id
+        self._will = will
+        self._on_connected = on_connected
+        self._on_disconnected = on_disconnected
+        self._routes: dict[str, MessageHandler] = {}
+        self._connected = threading.Event()
+        self._settled = threading.Event()  # first CONNACK arrived, or a refusal that retrying cannot fix
+        self._failure: str | None = None
+        self._first = True
+        self._closed = False
+        self.protocol: str = "5" if config.protocol in ("auto", "5") else "3.1.1"
+        self.max_packet_size = config.max_packet_size or MQTT_MAX_PACKET
+        self.receive_maximum = 65535
+        self.connects = 0
+        self._client = self._make_client(self.protocol, client_id)
+
+    @property
+    def is_v5(self) -> bool:
+        """Whether the connection speaks MQTT 5."""
+        return self.protocol == "5"
+
+    @property
+    def connected(self) -> bool:
+        """Whether a CONNACK has been received and the link has not dropped since."""
+        return self._connected.is_set()
+
+    def route(self, topic_filter: str, handler: MessageHandler) -> None:
+        """Subscribe ``topic_filter`` (QoS 1) on every connect and hand its messages to ``handler``."""
+        self._routes[topic_filter] = handler
+        self._client.message_callback_add(topic_filter, self._dispatch(handler))
+        if self.connected:
+            self._client.subscribe(topic_filter, qos=1)
+
+    def start(self) -> None:
+        """Connect and start paho's network thread; block until connected.
+
+        Raises
+        ------
+        ConnectionError
+            If the broker refuses (e.g. bad credentials) or does not answer within ``connect_timeout_s``.
+        """
+        if self.config.protocol == "auto" and self._detect_protocol() != self.protocol:
+            self.protocol = "3.1.1"
+            self._client = self._make_client(self.protocol, self.client_id)
+        self._connect()
+        self._settled.wait(self.config.connect_timeout_s)
+        if not self.connected:
+            self._stop_client()
+            reason = self._failure or f"no answer within {self.config.connect_timeout_s:g} s"
+            raise ConnectionError(f"cannot connect to {self.config.broker_url}: {reason}")
+
+    def _detect_protocol(self) -> str:
+        """Ask the broker with a plain MQTT 5 CONNECT on a throw-away client id whether it speaks MQTT 5.
+
+        A plain CONNECT (no properties, no will) because some 3.1.1-only brokers (amqtt) refuse it cleanly but
+        hang on one with properties; a separate client id so the probe's clean start cannot end our session.
+        """
+        address = self.config.address
+        client = self._make_client("5", self.client_id[:100] + "-probe")
+        answer: list[int] = []
+        done = threading.Event()
+
+        def on_connect(_c: paho.Client, _u: object, _f: object, reason: object, _p: object) -> None:
+            answer.append(getattr(reason, "value", 0))
+            done.set()
+
+        client.on_connect, client.on_disconnect = on_connect, lambda *_: done.set()
+        client.on_pre_connect = None
+        client.reconnect_delay_set(1, 1)
+        client.connect_async(address.host, address.port, self.config.keepalive_s, clean_start=True)
+        client.loop_start()
+        try:
+            done.wait(self.config.connect_timeout_s)
+        finally:
+            client.disconnect()
+            client.loop_stop()
+        if answer == [0]:
+            return "5"
+        if answer and answer[0] in _UNSUPPORTED_PROTOCOL or not answer and done.is_set():
+            logger.info("broker %s does not speak MQTT 5; using MQTT 3.1.1", self.config.broker_url)
+            return "3.1.1"
+        reason = (
+            f"refused ({answer[0]:#x})" if answer else f"no answer within {self.config.connect_timeout_s:g} s"
+        )
+        raise ConnectionError(f"cannot connect to {self.config.broker_url}: {reason}")
+
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, expiry_s: float | None = None
+    ) -> None:
+        """Publish (queued by paho while disconnected); ``expiry_s`` becomes the MQTT 5 message expiry."""
+        properties = None
+        if expiry_s is not None and self.is_v5:
+            properties = Properties(PacketTypes.PUBLISH)
+            properties.MessageExpiryInterval = max(1, int(expiry_s + 0.999))
+        self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+
+    def close(self) -> None:
+        """Disconnect cleanly (no will) and stop the network thread."""
+        self._closed = True
+        self._stop_client()
+
+    def drop_link(self) -> None:
+        """Close the socket without DISCONNECT, as a network failure would (paho reconnects; the will fires)."""
+        sock = self._client.socket()
+        if sock is not None:
+            sock.close()
+
+    def _make_client(self, protocol: str, client_id: str) -> paho.Client:
+        config = self.config
+        if protocol == "5":
+            client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+        else:
+            client = paho.Client(
+                CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311, clean_session=False
+            )
+        if config.username is not None:
+            client.username_pw_set(config.username, config.password)
+        if config.address.tls:
+            context = ssl.create_default_context(cafile=config.ca_file)
+            if config.cert_file:
+                context.load_cert_chain(config.cert_file, config.key_file)
+            client.tls_set_context(context)
+        client.reconnect_delay_set(config.reconnect_min_s, config.reconnect_max_s)  # type: ignore[arg-type]
+        client.max_inflight_messages_set(max(20, config.transfer.window))
+        client.on_pre_connect = self._handle_pre_connect
+        client.on_connect = self._handle_connect
+        client.on_disconnect = self._handle_disconnect
+        for topic_filter, handler in self._routes.items():
+            client.message_callback_add(topic_filter, self._dispatch(handler))
+        return client
+
+    def _connect(self) -> None:
+        address, config = self.config.address, self.config
+        self._failure = None
+        self._settled.clear()
+        if self.is_v5:
+            properties = Properties(PacketTypes.CONNECT)
+            properties.SessionExpiryInterval = config.session_expiry_s
+            # Ask the broker not to forward packets we would drop anyway (a size cap on untrusted input).
+            properties.MaximumPacketSize = config.transfer.max_chunk_size + 64 * 1024
+            self._client.connect_async(
+                address.host, address.port, config.keepalive_s, clean_start=False, properties=properties
+            )
+        else:
+            self._client.connect_async(address.host, address.port, config.keepalive_s)
+        self._client.loop_start()
+
+    def _stop_client(self) -> None:
+        self._connected.clear()
+        try:
+            self._client.disconnect()
+        finally:
+            self._client.loop_stop()
+
+    def _handle_pre_connect(self, client: paho.Client, _userdata: object) -> None:
+        if self._will is None:
+            return
+        will = self._will()
+        properties = None
+        if self.is_v5 and will.delay_s:
+            properties = Properties(PacketTypes.WILLMESSAGE)
+            properties.WillDelayInterval = will.delay_s
+        client.will_set(will.topic, will.payload, qos=1, retain=True, properties=properties)
+
+    def _handle_connect(
+        self, client: paho.Client, _u: object, flags: object, reason: object, props: object
+    ) -> None:
+        code = getattr(reason, "value", reason)
+        if code != 0:
+            self._failure = "protocol" if code in _UNSUPPORTED_PROTOCOL else str(reason)
+            if code in _UNSUPPORTED_PROTOCOL or code in _AUTH_FAILURES:
+                self._settled.set()
+            logger.warning("broker %s refused the connection: %s", self.config.broker_url, reason)
+            return
+        if self.is_v5:
+            self.max_packet_size = getattr(props, "MaximumPacketSize", MQTT_MAX_PACKET)
+            self.receive_maximum = getattr(props, "ReceiveMaximum", 65535)
+        self.connects += 1
+        for topic_filter in self._routes:
+            client.subscribe(topic_filter, qos=1)
+        self._connected.set()
+        self._settled.set()
+        session_present = bool(getattr(flags, "session_present", False))
+        first, self._first = self._first, False
+        logger.debug(
+            "connected to %s (MQTT %s, session present: %s)",
+            self.config.broker_url,
+            self.protocol,
+            session_present,
+        )
+        if self._on_connected is not None:
+            self._on_connected(session_present, first)
+
+    def _handle_disconnect(self, _c: paho.Client, _u: object, _f: object, reason: object, _p: object) -> None:
+        was_connected = self._connected.is_set()
+        self._connected.clear()
+        if was_connected and not self._closed:
+            logger.info("lost connection to %s: %s", self.config.broker_url, reason)
+            if self._on_disconnected is not None:
+                self._on_disconnected()
+
+    @staticmethod
+    def _dispatch(handler: MessageHandler) -> Callable[[paho.Client, object, paho.MQTTMessage], None]:
+        def on_message(_client: paho.Client, _userdata: object, message: paho.MQTTMessage) -> None:
+            try:
+                handler(message.topic, message.payload)
+            except Exception:  # a bug in a handler must not kill paho's network thread
+                logger.exception("handler for %s failed", message.topic)
+
+        return on_message

@@ -1,0 +1,265 @@
+"""The two ends of a fleet: the coordinator (talks to every node) and a node (talks to the coordinator)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fedge.transport.channel import ReliableChannel
+from fedge.transport.config import ConfigError, MqttConfig
+from fedge.transport.connection import Will
+from fedge.transport.frames import FrameError, PresenceFrame, PresenceStatus, decode_frame, encode_presence
+from fedge.transport.presence import EpochClock, NodeStatus, PresenceTracker
+from fedge.transport.receiver import Completed
+from fedge.transport.sender import TransferHandle
+from fedge.transport.topics import Topics, ack_topic, validate_name
+
+__all__ = ["CoordinatorEndpoint", "Delivery", "NodeEndpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A whole message handed to the application, exactly once per (sender, message id).
+
+    ``node_id`` is the node that sent it (taken from the topic; for a node it is its own id).
+    """
+
+    node_id: str
+    message_id: str
+    payload: bytearray
+
+
+class _Endpoint:
+    """What both ends share: the channel, the delivery queue and an optional callback thread."""
+
+    def __init__(
+        self,
+        config: MqttConfig,
+        client_id: str,
+        on_message: Callable[[Delivery], None] | None,
+        will: Callable[[], Will] | None = None,
+    ) -> None:
+        self.config = config
+        self.topics = Topics(config.fleet)
+        self.channel = ReliableChannel(
+            config, client_id, on_complete=self._complete, will=will, on_connected=self._connected
+        )
+        self._inbox: queue.Queue[Delivery] = queue.Queue()
+        self._on_message = on_message
+        self._dispatcher: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        """Connect and start receiving. Raises ConnectionError if the broker cannot be reached."""
+        self.channel.start()
+        if self._on_message is not None:
+            self._dispatcher = threading.Thread(target=self._dispatch, name="fedge-deliver", daemon=True)
+            self._dispatcher.start()
+
+    def receive(self, timeout: float | None = None) -> Delivery | None:
+        """The next delivered message, or None after ``timeout`` seconds (only without ``on_message``)."""
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        """Stop delivering, fail unfinished sends and disconnect."""
+        self._stop.set()
+        self.channel.close()
+        if self._dispatcher is not None:
+            self._dispatcher.join(timeout=5)
+
+    def __enter__(self):  # noqa: ANN204 -- returns the concrete endpoint type
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _node_of(self, stream: str) -> str:
+        raise NotImplementedError
+
+    def _connected(self, first: bool) -> None:
+        """paho thread: after each (re)connect."""
+
+    def _complete(self, completed: Completed) -> None:
+        self._inbox.put(Delivery(self._node_of(completed.stream), completed.message_id, completed.payload))
+
+    def _dispatch(self) -> None:
+        assert self._on_message is not None
+        while not self._stop.is_set():
+            delivery = self.receive(timeout=0.2)
+            if delivery is None:
+                continue
+            try:
+                self._on_message(delivery)
+            except Exception:  # the application's bug must not stop later deliveries
+                logger.exception("on_message failed for message %s", delivery.message_id)
+
+
+class CoordinatorEndpoint(_Endpoint):
+    """The coordinator: sends to node inboxes, receives from node outboxes, tracks which nodes are online.
+
+    Parameters
+    ----------
+    config : MqttConfig
+        Connection and transfer settings; ``client_id`` defaults to ``fedge-<fleet>-coordinator``.
+    on_message : callable(Delivery), optional
+        Called from a delivery thread for each message; without it use :meth:`receive`.
+    on_presence : callable(node_id, online), optional
+        Called when a node goes online or offline (from paho's or the pump thread; keep it short).
+    """
+
+    def __init__(
+        self,
+        config: MqttConfig,
+        *,
+        on_message: Callable[[Delivery], None] | None = None,
+        on_presence: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        super().__init__(config, config.client_id or f"fedge-{config.fleet}-coordinator", on_message)
+        self._on_presence = on_presence
+        self._presence_lock = threading.Lock()
+        self._tracker = PresenceTracker()
+        self.channel.listen(self.topics.all_outboxes)
+        self.channel.listen_acks(self.topics.all_inbox_acks)
+        self.channel.connection.route(self.topics.all_presence, self._handle_presence)
+        self.channel.add_timer(self._tick)
+
+    def send(
+        self, node_id: str, payload: bytes, *, message_id: str | None = None, expiry_s: float | None = None
+    ) -> TransferHandle:
+        """Send ``payload`` to ``node_id``'s inbox; see :meth:`ReliableChannel.send` for the parameters."""
+        return self.channel.send(
+            self.topics.inbox(node_id), payload, message_id=message_id, expiry_s=expiry_s
+        )
+
+    def online_nodes(self) -> set[str]:
+        """Ids of the nodes online now."""
+        with self._presence_lock:
+            return self._tracker.online()
+
+    def node_status(self, node_id: str) -> NodeStatus | None:
+        """What is known about one node, or None if it never reported."""
+        with self._presence_lock:
+            return self._tracker.status(node_id)
+
+    def _node_of(self, stream: str) -> str:
+        node_id = self.topics.node_of(stream)
+        assert node_id is not None  # the subscription filter only matches node topics
+        return node_id
+
+    def _connected(self, first: bool) -> None:
+        # MQTT 5 brokers delay wills themselves; with 3.1.1 the tracker waits instead.
+        self._tracker.grace_s = 0.0 if self.channel.connection.is_v5 else float(self.config.will_delay_s)
+
+    def _handle_presence(self, topic: str, payload: bytes) -> None:
+        node_id = self.topics.node_of(topic)
+        try:
+            frame = decode_frame(payload)
+        except FrameError as err:
+            self.channel.receiver_stats.dropped[f"presence-{err.reason}"] += 1
+            return
+        if node_id is None or not isinstance(frame, PresenceFrame):
+            self.channel.receiver_stats.dropped["presence-kind"] += 1
+            return
+        with self._presence_lock:
+            changes = self._tracker.on_frame(node_id, frame, time.time())
+        self._report(changes)
+
+    def _tick(self, now: float) -> None:
+        with self._presence_lock:
+            changes = self._tracker.tick(now)
+        self._report(changes)
+
+    def _report(self, changes: list[tuple[str, bool]]) -> None:
+        for node_id, online in changes:
+            logger.info("node %s is %s", node_id, "online" if online else "offline")
+            if self._on_presence is not None:
+                self._on_presence(node_id, online)
+
+
+class NodeEndpoint(_Endpoint):
+    """A node: receives from its inbox, sends to its outbox, announces itself with retained status and a will.
+
+    Parameters
+    ----------
+    config : MqttConfig
+        Connection and transfer settings; ``client_id`` defaults to ``fedge-<fleet>-<node_id>``.
+    node_id : str
+        This node's id (one topic level: letters, digits, ``_.:-``).
+    on_message : callable(Delivery), optional
+        Called from a delivery thread for each message; without it use :meth:`receive`.
+    """
+
+    def __init__(
+        self, config: MqttConfig, node_id: str, *, on_message: Callable[[Delivery], None] | None = None
+    ) -> None:
+        try:
+            self.node_id = validate_name(node_id, "node id")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self._epochs = EpochClock()
+        self.epoch = 0
+        super().__init__(
+            config, config.client_id or f"fedge-{config.fleet}-{node_id}", on_message, self._will
+        )
+        self._presence_topic = self.topics.presence(node_id)
+        self.channel.listen(self.topics.inbox(node_id))
+        self.channel.listen_acks(ack_topic(self.topics.outbox(node_id)))
+        self.channel.connection.route(self._presence_topic, self._handle_own_presence)
+
+    def send(
+        self, payload: bytes, *, message_id: str | None = None, expiry_s: float | None = None
+    ) -> TransferHandle:
+        """Send ``payload`` to the coordinator; see :meth:`ReliableChannel.send` for the parameters."""
+        return self.channel.send(
+            self.topics.outbox(self.node_id), payload, message_id=message_id, expiry_s=expiry_s
+        )
+
+    def close(self) -> None:
+        """Announce LEFT (retained), then close."""
+        if self.channel.connection.connected:
+            self._announce(PresenceStatus.LEFT)
+        super().close()
+
+    def _node_of(self, stream: str) -> str:
+        return self.node_id
+
+    def _will(self) -> Will:
+        """paho thread, before each (re)connect: a new epoch, and the will that carries it."""
+        self.epoch = self._epochs.next()
+        frame = encode_presence(PresenceFrame(PresenceStatus.LOST, self.epoch))
+        return Will(self._presence_topic, frame, self.config.will_delay_s)
+
+    def _connected(self, first: bool) -> None:
+        self._announce(PresenceStatus.ONLINE)
+
+    def _announce(self, status: PresenceStatus) -> None:
+        frame = encode_presence(PresenceFrame(status, self.epoch))
+        self.channel.connection.publish(self._presence_topic, frame, retain=True)
+
+    def _handle_own_presence(self, topic: str, payload: bytes) -> None:
+        """A stale will may have overwritten our retained ONLINE: put it back."""
+        try:
+            frame = decode_frame(payload)
+        except FrameError:
+            return
+        if not isinstance(frame, PresenceFrame):
+            return
+        if frame.epoch < self.epoch and frame.status is not PresenceStatus.ONLINE:
+            logger.info(
+                "stale status (epoch %d) retained for %s; re-announcing online", frame.epoch, self.node_id
+            )
+            self._announce(PresenceStatus.ONLINE)
+        elif frame.epoch > self.epoch:
+            logger.warning(
+                "another connection uses node id %s (epoch %d > %d)", self.node_id, frame.epoch, self.epoch
+            )

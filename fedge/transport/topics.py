@@ -1,0 +1,89 @@
+"""The fedge topic tree: one subtree per node so broker ACLs can isolate nodes.
+
+::
+
+    fedge/<fleet>/node/<node_id>/in        coordinator -> node   DATA, PROBE
+    fedge/<fleet>/node/<node_id>/in/ack    node -> coordinator   ACK for inbox transfers
+    fedge/<fleet>/node/<node_id>/out       node -> coordinator   DATA, PROBE
+    fedge/<fleet>/node/<node_id>/out/ack   coordinator -> node   ACK for outbox transfers
+    fedge/<fleet>/presence/<node_id>       node (and its will)   PRESENCE, retained
+
+The ACK topic of a data topic is always the data topic plus ``/ack``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["Topics", "ack_topic", "validate_name"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+def validate_name(value: str, what: str) -> str:
+    """Return ``value`` if it is a safe topic level (letters, digits, ``_.:-``, 1-64 chars), else raise."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_', '.', ':' or '-'")
+    return value
+
+
+def ack_topic(data_topic: str) -> str:
+    """The topic on which the receiver of ``data_topic`` acknowledges."""
+    return data_topic + "/ack"
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Topic names of one fleet.
+
+    Parameters
+    ----------
+    fleet : str
+        Name of the fleet (one coordinator and its nodes); one topic level.
+    """
+
+    fleet: str
+
+    def __post_init__(self) -> None:
+        validate_name(self.fleet, "fleet")
+
+    @property
+    def _root(self) -> str:
+        return f"fedge/{self.fleet}"
+
+    def inbox(self, node_id: str) -> str:
+        """Data to ``node_id``."""
+        return f"{self._root}/node/{validate_name(node_id, 'node id')}/in"
+
+    def outbox(self, node_id: str) -> str:
+        """Data from ``node_id``."""
+        return f"{self._root}/node/{validate_name(node_id, 'node id')}/out"
+
+    def presence(self, node_id: str) -> str:
+        """Retained status of ``node_id``."""
+        return f"{self._root}/presence/{validate_name(node_id, 'node id')}"
+
+    @property
+    def all_outboxes(self) -> str:
+        """Subscription filter for every node's outbox."""
+        return f"{self._root}/node/+/out"
+
+    @property
+    def all_inbox_acks(self) -> str:
+        """Subscription filter for every node's acknowledgements of inbox transfers."""
+        return f"{self._root}/node/+/in/ack"
+
+    @property
+    def all_presence(self) -> str:
+        """Subscription filter for every node's status."""
+        return f"{self._root}/presence/+"
+
+    def node_of(self, topic: str) -> str | None:
+        """The node id in a node or presence topic of this fleet, or None if the topic is not one."""
+        parts = topic.split("/")
+        if len(parts) < 4 or parts[0] != "fedge" or parts[1] != self.fleet:
+            return None
+        if parts[2] == "node" and len(parts) in (5, 6) or parts[2] == "presence" and len(parts) == 4:
+            return parts[3] if _NAME.match(parts[3]) else None
+        return None
