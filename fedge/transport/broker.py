@@ -1,8 +1,8 @@
 """Brokers for tests, benchmarks and the one-machine default.
 
-:class:`MosquittoBroker` runs a real Mosquitto on a free loopback port with a generated config (persistence on),
-and can be stopped and started again on the same port and persistence directory. :class:`EmbeddedBroker` runs
-amqtt (pure Python, MQTT 3.1.1 only) in a background thread with its own event loop.
+:class:`MosquittoBroker` runs a real Mosquitto on a free loopback port with a generated config (persistence
+on), and can be stopped and started again on the same port and persistence directory.
+:class:`EmbeddedBroker` runs amqtt (pure Python, MQTT 3.1.1 only) in a background thread with its own loop.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class MosquittoBroker:
     Parameters
     ----------
     workdir : str or Path, optional
-        Where config, log and persistence file go; a new temporary directory (removed on :meth:`stop`) if None.
+        Where config, log and persistence go; None makes a temporary directory (removed by :meth:`stop`).
     port : int, default 0
         0 picks a free port once; restarts reuse it.
     persistence : bool, default True
@@ -168,7 +168,7 @@ class _QuietProtocolRefusals(logging.Filter):
 
 
 class EmbeddedBroker:
-    """amqtt, the pure-Python MQTT 3.1.1 broker, in a background thread (or the foreground with :meth:`serve`).
+    """amqtt, the pure-Python MQTT 3.1.1 broker, in a background thread (or in the foreground: :meth:`serve`).
 
     Parameters
     ----------

@@ -164,10 +164,10 @@ class ReliableChannel:
                 f"broker maximum packet size {self.connection.max_packet_size} leaves no room for data"
             )
         window = max(1, min(self.settings.window, self.connection.receive_maximum))
+        deadline_s, ack_timeout_s = time.time() + expiry_s, self.settings.ack_timeout_s
         transfer = OutgoingTransfer(
-            topic, payload, message_id, chunk_size, window, time.time() + expiry_s, self.settings.ack_timeout_s,
-            self.sender_stats,
-        )  # fmt: skip
+            topic, payload, message_id, chunk_size, window, deadline_s, ack_timeout_s, self.sender_stats
+        )
         with self._cond:
             if self._closed:
                 raise TransferError("channel closed")
@@ -256,7 +256,7 @@ class ReliableChannel:
             self._cond.notify_all()
         self._publish_chunks([(transfer, index) for index in resend], now)
 
-    # ----------------------------------------------------------------------------------------------- receiving
+    # ------------------------------------------------------------------------------------------- receiving
     def _handle_data(self, topic: str, payload: bytes) -> None:
         """paho thread: a DATA or PROBE frame for us."""
         try:
@@ -285,7 +285,7 @@ class ReliableChannel:
         with self._cond:
             if not first:
                 self._reconnected_at = now
-                # Queued chunks arrive first when the broker kept our session; report what is still missing after.
+                # Queued chunks arrive first when the broker kept our session; report what still lacks after.
                 self._report_at = now + (self.settings.resume_settle_s if session_present else 0.0)
                 for transfer in self._transfers.values():
                     transfer.pause_probes(now)

@@ -23,8 +23,8 @@ class ConfigError(ValueError):
 class TransferSettings:
     """Hyper-parameters of chunked, windowed, resumable transfers.
 
-    A message of ``n`` bytes travels as ``ceil(n / c)`` chunks of ``c = chunk_size`` bytes. The sender keeps at
-    most ``W = window`` chunks unacknowledged by the *receiver* (not just the broker), so:
+    A message of ``n`` bytes travels as ``ceil(n / c)`` chunks of ``c = chunk_size`` bytes. The sender keeps
+    at most ``W = window`` chunks unacknowledged by the *receiver* (not just the broker), so:
 
     * throughput is at most ``W * c / RTT``; ``W * c`` should exceed the bandwidth-delay product of the link
       plus one acknowledgement batch (20 MB/s x 100 ms round trip = 2 MB = 8 chunks of 256 KiB, plus
@@ -33,9 +33,9 @@ class TransferSettings:
     * the broker queues at most ``W`` chunks per transfer for an offline receiver (Mosquitto drops beyond
       ``max_queued_messages``, 1000 by default).
 
-    The receiver acknowledges every ``k = ack_every`` chunks; the window opens in steps of ``k``, so ``k <= W / 2``
-    keeps the pipe full. Progress that stalls for ``ack_timeout_s`` while connected makes the sender probe; the
-    receiver answers with its state and only the chunks it lacks are re-sent.
+    The receiver acknowledges every ``k = ack_every`` chunks; the window opens in steps of ``k``, so
+    ``k <= W / 2`` keeps the pipe full. Progress that stalls for ``ack_timeout_s`` while connected makes the
+    sender probe; the receiver answers with its state and only the chunks it lacks are re-sent.
 
     Parameters
     ----------
@@ -63,8 +63,8 @@ class TransferSettings:
     dedup_size : int, default 8192
         Message ids remembered per receiver to deliver each at most once (oldest forgotten first).
     resume_settle_s : float, default 0.5
-        After reconnecting with its session kept, the receiver waits this long for queued chunks before reporting
-        the chunks it still lacks.
+        After reconnecting with its session kept, the receiver waits this long for queued chunks before
+        reporting the chunks it still lacks.
     clock_skew_s : float, default 5.0
         Tolerance added to deadlines from other machines (their clocks may run ahead).
     """
@@ -135,9 +135,9 @@ class MqttConfig:
         MQTT client id; must be stable across restarts for the broker to keep the session. None derives
         ``fedge-<fleet>-coordinator`` or ``fedge-<fleet>-<node_id>``.
     username, password : str or None, default None
-        Broker credentials (the deploy config makes username == node id so ACL patterns with %u isolate nodes).
+        Broker credentials (deploy makes username == node id so that ACL patterns with %u isolate nodes).
     ca_file, cert_file, key_file : str or None, default None
-        TLS trust anchors and client certificate; used with ``mqtts://`` (system CAs when ``ca_file`` is None).
+        TLS trust anchors and client certificate for ``mqtts://`` (system CAs when ``ca_file`` is None).
     keepalive_s : int, default 30
         MQTT keepalive; a dead link is noticed after about 1.5 times this.
     protocol : {"auto", "5", "3.1.1"}, default "auto"

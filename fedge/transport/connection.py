@@ -147,7 +147,7 @@ class MqttConnection:
             client.loop_stop()
         if answer == [0]:
             return "5"
-        if answer and answer[0] in _UNSUPPORTED_PROTOCOL or not answer and done.is_set():
+        if (answer and answer[0] in _UNSUPPORTED_PROTOCOL) or (not answer and done.is_set()):
             logger.info("broker %s does not speak MQTT 5; using MQTT 3.1.1", self.config.broker_url)
             return "3.1.1"
         reason = (
@@ -171,7 +171,7 @@ class MqttConnection:
         self._stop_client()
 
     def drop_link(self) -> None:
-        """Close the socket without DISCONNECT, as a network failure would (paho reconnects; the will fires)."""
+        """Close the socket without DISCONNECT, like a network failure (paho reconnects; the will fires)."""
         sock = self._client.socket()
         if sock is not None:
             sock.close()

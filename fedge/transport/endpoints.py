@@ -76,7 +76,7 @@ class _Endpoint:
         if self._dispatcher is not None:
             self._dispatcher.join(timeout=5)
 
-    def __enter__(self):  # noqa: ANN204 -- returns the concrete endpoint type
+    def __enter__(self):
         self.start()
         return self
 

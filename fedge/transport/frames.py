@@ -1,11 +1,11 @@
 """fedge's own MQTT frames: a pure codec (bytes in, frames out) with size caps and a checksum on every frame.
 
-Every frame starts with ``b"FE"``, a version byte and a kind byte, and ends with a CRC-32 of everything before it
-(for DATA frames the checksum sits before the payload and covers header and payload). Integers are big-endian.
-The layouts are documented byte by byte in ``docs/mqtt-protocol.md``.
+Every frame starts with ``b"FE"``, a version byte and a kind byte, and ends with a CRC-32 of everything before
+it (for DATA frames the checksum sits before the payload and covers header and payload).
+Integers are big-endian. The layouts are documented byte by byte in ``docs/mqtt-protocol.md``.
 
-Decoding never trusts a length field before checking it against the caps in :class:`FrameLimits`, and raises
-only :class:`FrameError`, whose ``reason`` names the problem in one word so receivers can count drops by cause.
+Decoding never trusts a length field before checking it against the caps in :class:`FrameLimits`, and
+raises only :class:`FrameError`, whose ``reason`` names the problem in one word so receivers can count drops.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ MAGIC = b"FE"
 VERSION = 1
 MAX_MESSAGE_ID_BYTES = 200
 
-# magic, version, kind, transfer id, index, total, chunk size, message size, deadline (unix ms), message id length
+# magic, version, kind, transfer id, index, total, chunk size, message size, deadline (unix ms), id length
 _DATA_HEAD = struct.Struct("!2sBB16sIIIQQB")
 _CRC = struct.Struct("!I")
 # magic, version, kind, transfer id, total
@@ -137,7 +137,7 @@ class ProbeFrame:
 
 @dataclass(frozen=True, slots=True)
 class AckFrame:
-    """Receiver to sender: progress, full state, done or rejected. ``bitmap`` has bit i set if chunk i is held."""
+    """Receiver to sender: progress, state, done or rejected. Bit i of ``bitmap``: chunk i is held."""
 
     transfer_id: bytes
     status: AckStatus

@@ -1,4 +1,4 @@
-"""Receiving side of a transfer: reassembly, at-most-once delivery, memory cap, expiry. Pure: no I/O, no threads.
+"""Receiving side of a transfer: reassembly, at-most-once delivery, memory cap, expiry. Pure: no I/O.
 
 The caller feeds decoded frames with the stream they arrived on (the data topic) and the current time; the
 reassembler answers with the ACK frame to publish (if any) and the completed message (if any). Together with
@@ -141,7 +141,7 @@ class Reassembler:
         return AckFrame(frame.transfer_id, AckStatus.STATE, partial.total, bytes(partial.held))
 
     def missing_report(self, stalled_since_s: float) -> list[tuple[str, AckFrame]]:
-        """STATE acks for partial transfers without progress since ``stalled_since_s`` (sent after a reconnect)."""
+        """STATE acks for partial transfers without progress since ``stalled_since_s`` (after a reconnect)."""
         return [
             (stream, AckFrame(tid, AckStatus.STATE, p.total, bytes(p.held)))
             for (stream, tid), p in self._partials.items()
@@ -161,7 +161,7 @@ class Reassembler:
     def _open(
         self, key: tuple[str, bytes], frame: DataFrame, now_s: float
     ) -> tuple[_Partial | None, AckFrame | None]:
-        """Start a transfer for ``frame``, or return why not (a REJECTED ack, or neither when just dropped)."""
+        """Start a transfer for ``frame``, or say why not (a REJECTED ack, or neither when just dropped)."""
         settings = self.settings
         deadline_s = frame.deadline_ms / 1000 + settings.clock_skew_s
         if deadline_s < now_s:

@@ -1,8 +1,8 @@
 """Sending side of a transfer: the sliding window, resume from the receiver's state, deadlines. Pure: no I/O.
 
-The channel asks a transfer which chunks to publish now (:meth:`OutgoingTransfer.due`), builds the frames with
-:meth:`OutgoingTransfer.frame` and feeds back the receiver's ACK frames. A chunk counts as delivered only when the
-*receiver* reports holding it, so the window bounds what paho and the broker hold for this transfer.
+The channel asks a transfer which chunks to publish now (:meth:`OutgoingTransfer.due`), builds the frames
+with :meth:`OutgoingTransfer.frame` and feeds back the receiver's ACK frames. A chunk counts as delivered only
+when the *receiver* reports holding it, so the window bounds what paho and the broker hold for this transfer.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class OutgoingTransfer:
     deadline_s : float
         Wall-clock time after which the transfer fails.
     ack_timeout_s : float
-        Seconds without progress (while connected) before probing the receiver; also the minimum age of a chunk
-        before a STATE report may cause it to be re-sent (younger chunks are probably still on their way).
+        Seconds without progress (while connected) before probing the receiver; also the minimum age of a
+        chunk before a STATE report may cause it to be re-sent (younger ones are probably still on their way).
     stats : SenderStats
         Counters to update (shared by the transfers of one channel).
     """
@@ -176,7 +176,7 @@ class OutgoingTransfer:
         return max(0, min(self._chunk_size, len(self._payload) - index * self._chunk_size))
 
     def on_ack(self, ack: AckFrame, now_s: float) -> list[int]:
-        """Apply an ACK; return chunks to re-send at once (from a STATE report). Finishes the handle on DONE/REJECTED."""
+        """Apply an ACK; return the chunks to re-send now (after a STATE report). DONE/REJECTED finish."""
         if ack.status is AckStatus.DONE:
             self._finish(None)
             return []
@@ -199,8 +199,8 @@ class OutgoingTransfer:
             self._next_probe_s = now_s + self._probe_interval_s
         if ack.status is not AckStatus.STATE:
             return []
-        # The receiver's whole state: chunks it lost (e.g. it restarted) go back in the queue, and in-flight chunks
-        # old enough to have arrived are re-sent now. Younger ones are probably still on their way.
+        # The receiver's whole state: chunks it lost (e.g. it restarted) go back in the queue, and in-flight
+        # chunks old enough to have arrived are re-sent now. Younger ones are probably still on their way.
         lost = [i for i in self._acked if not bitmap_get(ack.bitmap, i)]
         for index in lost:
             self._acked.discard(index)

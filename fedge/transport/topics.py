@@ -84,6 +84,6 @@ class Topics:
         parts = topic.split("/")
         if len(parts) < 4 or parts[0] != "fedge" or parts[1] != self.fleet:
             return None
-        if parts[2] == "node" and len(parts) in (5, 6) or parts[2] == "presence" and len(parts) == 4:
+        if (parts[2] == "node" and len(parts) in (5, 6)) or (parts[2] == "presence" and len(parts) == 4):
             return parts[3] if _NAME.match(parts[3]) else None
         return None
