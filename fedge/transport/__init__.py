@@ -1,1 +1,48 @@
-"""MQTT transport: reliable channel, broker helpers, lossy-link proxy."""
+"""MQTT transport: a reliable message channel for lossy links, with brokers and a lossy-link proxy.
+
+The public face (see ``docs/mqtt-protocol.md`` for the topics and frames)::
+
+    config = MqttConfig(broker_url="mqtt://broker:1883", fleet="lab", username="n7", password="...")
+    with NodeEndpoint(config, "n7") as node:            # on a device
+        request = node.receive(timeout=30)
+        node.send(b"reply", message_id=request.message_id).wait(60)
+
+    with CoordinatorEndpoint(config) as coordinator:   # on the server
+        coordinator.send("n7", payload, message_id="round-3", expiry_s=120).wait(60)
+        reply = coordinator.receive(timeout=60)         # Delivery(node_id, message_id, payload)
+        coordinator.online_nodes()
+"""
+
+from fedge.transport.broker import EmbeddedBroker, MosquittoBroker, free_port, wait_for_port
+from fedge.transport.channel import ReliableChannel
+from fedge.transport.config import BrokerAddress, ConfigError, MqttConfig, TransferSettings
+from fedge.transport.endpoints import CoordinatorEndpoint, Delivery, NodeEndpoint
+from fedge.transport.netem import LinkProfile, LossyLinkProxy, ProxyStats
+from fedge.transport.presence import NodeStatus
+from fedge.transport.receiver import ReceiverStats
+from fedge.transport.sender import SenderStats, TransferError, TransferHandle
+from fedge.transport.topics import Topics
+
+__all__ = [
+    "BrokerAddress",
+    "ConfigError",
+    "CoordinatorEndpoint",
+    "Delivery",
+    "EmbeddedBroker",
+    "LinkProfile",
+    "LossyLinkProxy",
+    "MosquittoBroker",
+    "MqttConfig",
+    "NodeEndpoint",
+    "NodeStatus",
+    "ProxyStats",
+    "ReceiverStats",
+    "ReliableChannel",
+    "SenderStats",
+    "Topics",
+    "TransferError",
+    "TransferHandle",
+    "TransferSettings",
+    "free_port",
+    "wait_for_port",
+]

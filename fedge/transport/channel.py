@@ -245,7 +245,7 @@ class ReliableChannel:
             if transfer is None or ack_topic(transfer.topic) != topic:
                 self.sender_stats.unknown_acks += 1
                 return
-            resend = transfer.on_ack(ack, now)
+            chunks = transfer.on_ack(ack, now)
             if transfer.finished:
                 del self._transfers[transfer.transfer_id]
                 if transfer.handle.error is None:
@@ -253,8 +253,10 @@ class ReliableChannel:
                 else:
                     self.sender_stats.failed += 1
                     logger.warning("%s", transfer.handle.error)
-            self._cond.notify_all()
-        self._publish_chunks([(transfer, index) for index in resend], now)
+            elif self.connection.connected:
+                # Refill the window right here: handing over to the pump thread costs a GIL switch per ack.
+                chunks += transfer.due(now)
+        self._publish_chunks([(transfer, index) for index in chunks], now)
 
     # ------------------------------------------------------------------------------------------- receiving
     def _handle_data(self, topic: str, payload: bytes) -> None:

@@ -8,7 +8,9 @@ broker's Maximum Packet Size and Receive Maximum from CONNACK, and refreshes the
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -193,6 +195,7 @@ class MqttConnection:
             client.tls_set_context(context)
         client.reconnect_delay_set(config.reconnect_min_s, config.reconnect_max_s)  # type: ignore[arg-type]
         client.max_inflight_messages_set(max(20, config.transfer.window))
+        client.on_socket_open = _no_delay
         client.on_pre_connect = self._handle_pre_connect
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
@@ -279,3 +282,9 @@ class MqttConnection:
                 logger.exception("handler for %s failed", message.topic)
 
         return on_message
+
+
+def _no_delay(_client: paho.Client, _userdata: object, sock: object) -> None:
+    """Disable Nagle's algorithm: small ACK frames must not wait for delayed TCP acks (40 ms stalls)."""
+    with contextlib.suppress(OSError, AttributeError):  # not a TCP socket: nothing to tune
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # type: ignore[attr-defined]
