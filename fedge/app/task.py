@@ -10,6 +10,7 @@ over labels made by flwr-datasets' ``DirichletPartitioner``. Users plug their ow
 from __future__ import annotations
 
 import importlib
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
@@ -214,6 +215,9 @@ def _dirichlet_partitions(num_partitions: int, alpha: float, seed: int) -> tuple
         seed=seed,
     )
     partitioner.dataset = dataset
-    return tuple(
-        np.asarray(partitioner.load_partition(i)["row"], dtype=np.int64) for i in range(num_partitions)
-    )
+    with warnings.catch_warnings():
+        # The partitioner warns on each resample it needs for min_partition_size; expected here.
+        warnings.simplefilter("ignore", UserWarning)
+        return tuple(
+            np.asarray(partitioner.load_partition(i)["row"], dtype=np.int64) for i in range(num_partitions)
+        )
