@@ -1,0 +1,141 @@
+"""Error feedback: remember what compression left out and send it later.
+
+With input ``g_t``, residual ``e_t`` and compressor ``C``, one round computes::
+
+    a_t = g_t + e_{t-1}          (with DGC momentum correction: u_t = m·u_{t-1} + g_t,  a_t = u_t + e_{t-1})
+    s_t = C(a_t)                 what the payload carries
+    e_t = a_t − s_t
+
+so ``Σ s_t + e_T = Σ g_t`` (or ``Σ u_t``): nothing is lost, only delayed. This is what makes biased
+compressors (top-k, sign, PowerSGD) converge like uncompressed SGD. With momentum, entries that were
+sent also have their momentum cleared ("momentum factor masking" in Deep Gradient Compression), so
+stale momentum does not push them again.
+
+The state is a plain ``dict[str, np.ndarray]`` (residuals under ``"ef/residual/<name>"``, momentum
+under ``"ef/momentum/<name>"``, codec memory such as PowerSGD's warm start under its own keys), so a
+Flower ``Context`` can persist it between rounds and a client that skips rounds keeps its residual.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import numpy as np
+
+from fedge.compression.codec import Codec
+from fedge.compression.errors import CodecConfigError
+from fedge.compression.wire import decode, decode_add
+
+__all__ = ["ErrorFeedback"]
+
+logger = logging.getLogger(__name__)
+
+RESIDUAL_PREFIX = "ef/residual/"
+MOMENTUM_PREFIX = "ef/momentum/"
+
+
+@dataclass(frozen=True)
+class ErrorFeedback:
+    """Residual memory (and optional DGC momentum correction) around a :class:`Codec`.
+
+    Parameters
+    ----------
+    codec : Codec
+        The compressor whose error is fed back.
+    momentum : float, default 0.0
+        DGC momentum ``m`` in [0, 1); 0 disables momentum correction.
+    """
+
+    codec: Codec
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise CodecConfigError(f"error feedback: momentum must be in [0, 1), got {self.momentum}")
+
+    @overload
+    def encode(
+        self,
+        update: Mapping[str, np.ndarray],
+        state: dict[str, np.ndarray],
+        *,
+        seed: int = ...,
+        return_sent: Literal[False] = ...,
+    ) -> bytes: ...
+
+    @overload
+    def encode(
+        self,
+        update: Mapping[str, np.ndarray],
+        state: dict[str, np.ndarray],
+        *,
+        seed: int = ...,
+        return_sent: Literal[True],
+    ) -> tuple[bytes, dict[str, np.ndarray]]: ...
+
+    def encode(
+        self,
+        update: Mapping[str, np.ndarray],
+        state: dict[str, np.ndarray],
+        *,
+        seed: int = 0,
+        return_sent: bool = False,
+    ) -> bytes | tuple[bytes, dict[str, np.ndarray]]:
+        """Encode ``update`` plus the stored residual, and store the new residual in ``state``.
+
+        Parameters
+        ----------
+        update : Mapping[str, np.ndarray]
+            This round's update (e.g. new weights minus received weights).
+        state : dict[str, np.ndarray]
+            Residuals, momentum and codec memory; read and replaced (arrays in it are not mutated).
+        seed : int, default 0
+            Passed to :meth:`Codec.encode`.
+        return_sent : bool, default False
+            Also return the float32 arrays the payload decodes to.
+
+        Returns
+        -------
+        bytes or (bytes, dict)
+            The payload, and with ``return_sent`` what it carries.
+        """
+        accumulated: dict[str, np.ndarray] = {}
+        for name, array in update.items():
+            values = np.asarray(array, dtype=np.float32)
+            if self.momentum:
+                velocity = self._load(state, MOMENTUM_PREFIX + name, values.shape)
+                values = values + np.float32(self.momentum) * velocity
+                state[MOMENTUM_PREFIX + name] = values
+            accumulated[name] = values + self._load(state, RESIDUAL_PREFIX + name, values.shape)
+        payload = self.codec.encode(accumulated, state=state, seed=seed)
+        limit = max(1, sum(a.size for a in accumulated.values()))
+        sent = decode(payload, max_elements=limit) if return_sent or self.momentum else None
+        for name, residual in accumulated.items():
+            if sent is not None:
+                residual -= sent[name]
+                if self.momentum:
+                    velocity = state[MOMENTUM_PREFIX + name].copy()
+                    velocity[sent[name] != 0] = 0  # momentum factor masking
+                    state[MOMENTUM_PREFIX + name] = velocity
+            state[RESIDUAL_PREFIX + name] = residual
+        if sent is None:
+            decode_add(payload, accumulated, -1.0, max_elements=limit)  # residual -= sent, sparsely
+        return (payload, sent) if return_sent else payload
+
+    @staticmethod
+    def _load(state: Mapping[str, np.ndarray], key: str, shape: tuple[int, ...]) -> np.ndarray:
+        stored = state.get(key)
+        if stored is None:
+            return np.zeros(shape, dtype=np.float32)
+        if stored.shape != shape:
+            logger.warning("dropping %s: stored shape %s, update shape %s", key, stored.shape, shape)
+            return np.zeros(shape, dtype=np.float32)
+        return np.asarray(stored, dtype=np.float32)
+
+    @staticmethod
+    def residual(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The residuals held in ``state``, by tensor name."""
+        return {k[len(RESIDUAL_PREFIX) :]: v for k, v in state.items() if k.startswith(RESIDUAL_PREFIX)}
