@@ -60,9 +60,9 @@ def make_config() -> Callable[..., MqttConfig]:
 def fuzz_frames(seed: int, count: int, chunk_size: int = 1024) -> list[tuple[str, bytes]]:
     """``count`` hostile frames for a receiver, each tagged with the drop reason it must cause.
 
-    Kinds: flipped bytes (``checksum``), payloads too long or short and inconsistent size fields with a valid
-    checksum (``size``), headers cut short (``truncated``), random bytes (``magic``, or ``truncated`` when tiny),
-    and well-formed ACK frames for transfers nobody knows, sent where data is expected (``kind``).
+    Kinds: flipped bytes (``checksum``), payloads too long or short and inconsistent size fields with a
+    valid checksum (``size``), headers cut short (``truncated``), random bytes (``magic``, or ``truncated``
+    when tiny), and well-formed ACK frames for unknown transfers, sent where data is expected (``kind``).
     """
     rng = random.Random(seed)
     frames: list[tuple[str, bytes]] = []
