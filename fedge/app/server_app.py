@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from fedge.server.history import RoundMetrics, RunHistory
 from fedge.server.metered_grid import MeteredGrid
 from fedge.server.plots import plot_accuracy, plot_accuracy_vs_upload
 
-__all__ = ["app", "make_server_app", "run_federated", "train_config_record"]
+__all__ = ["ResumePoint", "app", "make_server_app", "run_federated", "train_config_record"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ def run_federated(
     config: AppConfig,
     listeners: Iterable[RoundListener] = (),
     strategy: Strategy | None = None,
+    *,
+    resume: ResumePoint | None = None,
+    on_round_end: Callable[[int, ArrayRecord, RunHistory], None] | None = None,
 ) -> RunHistory:
     """Run ``config.rounds`` of federated training on ``grid``; return (and write) the history.
 
@@ -82,6 +86,10 @@ def run_federated(
         Told of each completed round.
     strategy : Strategy, optional
         Defaults to Flower's FedAvg over all connected nodes (``fraction_train``), no federated evaluation.
+    resume : ResumePoint, optional
+        Continue after ``resume.completed_round`` from its global model and history (a restarted coordinator).
+    on_round_end : callable(round, arrays, history), optional
+        Called after each round's evaluation with the new global model (checkpoints go here).
     """
     random.seed(config.seed)  # Flower's node sampling draws from the global generator
     torch.manual_seed(config.seed)
@@ -96,15 +104,27 @@ def run_federated(
         min_train_nodes=1,
         min_available_nodes=config.min_nodes,
     )
+    initial_arrays = ArrayRecord(model.state_dict())
+    done = 0
+    if resume is not None:
+        done, initial_arrays = resume.completed_round, resume.arrays
+        history.rounds, history.initial_accuracy = (
+            list(resume.history.rounds),
+            resume.history.initial_accuracy,
+        )
+        strategy = _RoundOffset(strategy, done)
     round_started = time.perf_counter()
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         nonlocal round_started
+        if server_round == 0 and resume is not None:
+            return MetricRecord()  # the resumed model was evaluated before the restart
         model.load_state_dict(arrays.to_torch_state_dict())
         result = task.evaluate(model, test_set)
         if server_round == 0:
             history.initial_accuracy = result["accuracy"]
         else:
+            server_round += done
             traffic = metered.take()
             history.add(
                 RoundMetrics(
@@ -118,13 +138,15 @@ def run_federated(
                     wall_s=time.perf_counter() - round_started,
                 )
             )
+            if on_round_end is not None:
+                on_round_end(server_round, arrays, history)
         round_started = time.perf_counter()
         return MetricRecord({"accuracy": result["accuracy"], "loss": result["loss"]})
 
     strategy.start(
         grid=metered,
-        initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=config.rounds,
+        initial_arrays=initial_arrays,
+        num_rounds=config.rounds - done,
         train_config=train_config_record(config),
         evaluate_config=train_config_record(config),
         evaluate_fn=evaluate,
@@ -141,6 +163,37 @@ def write_outputs(history: RunHistory, out_dir: Path) -> None:
     plot_accuracy(rounds, out_dir / "accuracy.png")
     plot_accuracy_vs_upload({"fedge": rounds}, out_dir / "accuracy_vs_upload.png")
     log.info("wrote %s and plots to %s", path.name, out_dir)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a restarted run picks up: the last completed round, its global model and the history so far."""
+
+    completed_round: int
+    arrays: ArrayRecord
+    history: RunHistory
+
+
+class _RoundOffset(Strategy):
+    """Present round ``r`` to ``inner`` as ``r + offset``, so a resumed run keeps its round numbers."""
+
+    def __init__(self, inner: Strategy, offset: int) -> None:
+        self.inner, self.offset = inner, offset
+
+    def configure_train(self, server_round, arrays, config, grid):
+        return self.inner.configure_train(server_round + self.offset, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        return self.inner.aggregate_train(server_round + self.offset, replies)
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return self.inner.configure_evaluate(server_round + self.offset, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        return self.inner.aggregate_evaluate(server_round + self.offset, replies)
+
+    def summary(self) -> None:
+        self.inner.summary()
 
 
 app = make_server_app()
