@@ -1,0 +1,251 @@
+"""A Flower ``Grid`` over MQTT: the unchanged ServerApp and any Flower strategy reach devices via a broker.
+
+Each instruction is a serialized Flower ``Message`` sent to the node's inbox with the message's TTL as its
+expiry; each reply comes back on the node's outbox. The Grid samples only among online nodes (presence),
+checks that a reply's sender matches the topic it came on and that it answers an instruction still awaited,
+and hands every instruction at most one reply: duplicates and late replies to an earlier round are dropped,
+logged and counted. Nodes are named by strings on the wire; Flower sees a stable 63-bit id per name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedge.compat import SUPERLINK_NODE_ID, MessageDecodeError, Run, message_from_bytes, message_to_bytes
+from fedge.compat import set_message_id as _set_message_id
+from fedge.transport.config import MqttConfig
+from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
+from fedge.transport.signing import SignatureError, verify
+
+__all__ = ["PROFILE_PREFIX", "MqttGrid", "flower_node_id"]
+
+log = logging.getLogger(__name__)
+
+PROFILE_PREFIX = "profile:"
+"""Message ids starting with this carry a node's device profile (JSON), not a Flower message."""
+
+_MAX_PROFILE_BYTES = 16 * 1024
+_FORGET_AFTER = 100_000  # answered or abandoned instruction ids remembered, to recognise late replies
+
+
+def flower_node_id(name: str) -> int:
+    """The Flower node id of the node named ``name``: stable across processes, never the SuperLink's."""
+    value = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") >> 1
+    return value if value > SUPERLINK_NODE_ID else value + SUPERLINK_NODE_ID + 1
+
+
+@dataclass
+class _Awaited:
+    node: str
+    server_round: str
+
+
+class MqttGrid(Grid):
+    """Flower Grid whose nodes are MQTT device agents.
+
+    Parameters
+    ----------
+    config : MqttConfig
+        Broker URL, credentials, TLS and transfer settings of the coordinator.
+    node_keys : mapping of str to bytes, optional
+        Per-node HMAC keys; when given, every reply must be signed with its node's key.
+    max_message_bytes : int (default: 256 MiB)
+        Replies larger than this are refused before decoding.
+    audit : callable(dict), optional
+        Told of every reply's fate: ``{"event": "accepted" | "rejected", "node", "round", "reason", ...}``.
+    """
+
+    def __init__(
+        self,
+        config: MqttConfig,
+        *,
+        node_keys: Mapping[str, bytes] | None = None,
+        max_message_bytes: int = 256 * 1024 * 1024,
+        audit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self._run = Run.create_empty(0)
+        self._node_keys = dict(node_keys) if node_keys is not None else None
+        self._max_message_bytes = max_message_bytes
+        self._audit = audit
+        self._cond = threading.Condition()
+        self._awaited: dict[str, _Awaited] = {}
+        self._replies: dict[str, Message] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self.profiles: dict[str, dict[str, Any]] = {}
+        self.dropped: Counter[str] = Counter()
+        self.endpoint = CoordinatorEndpoint(config, on_message=self._on_delivery)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> MqttGrid:
+        """Connect to the broker and start tracking nodes."""
+        self.endpoint.start()
+        return self
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+    def __enter__(self) -> MqttGrid:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_for_nodes(self, count: int, timeout: float) -> bool:
+        """Block until ``count`` nodes are online (True) or ``timeout`` seconds pass (False)."""
+        deadline = time.monotonic() + timeout
+        while len(self.endpoint.online_nodes()) < count:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    # -- Grid ------------------------------------------------------------------------------------------
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return sorted(flower_node_id(name) for name in self.endpoint.online_nodes())
+
+    def node_name(self, node_id: int) -> str | None:
+        """The wire name of an online node, from its Flower id."""
+        return {flower_node_id(name): name for name in self.endpoint.online_nodes()}.get(node_id)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            name = self.node_name(message.metadata.dst_node_id)
+            if name is None:
+                log.warning("node %s is not online; instruction not sent", message.metadata.dst_node_id)
+                continue
+            message_id = uuid.uuid4().hex
+            _set_message_id(message, message_id)
+            with self._cond:
+                self._awaited[message_id] = _Awaited(name, _round_of(message))
+            self.endpoint.send(
+                name, message_to_bytes(message), message_id=message_id, expiry_s=message.metadata.ttl
+            )
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        with self._cond:
+            return [self._replies.pop(i) for i in message_ids if i in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        ids = list(self.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while any(i in self._awaited for i in ids):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+            for message_id in ids:  # replies that come after this are late: drop them
+                if self._awaited.pop(message_id, None) is not None:
+                    self._finish(message_id)
+        return self.pull_messages(ids)
+
+    # -- replies ---------------------------------------------------------------------------------------
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        if delivery.message_id.startswith(PROFILE_PREFIX):
+            self._on_profile(delivery)
+            return
+        payload = bytes(delivery.payload)
+        if self._node_keys is not None:
+            key = self._node_keys.get(delivery.node_id)
+            try:
+                if key is None:
+                    raise SignatureError("no key for this node")
+                payload = verify(key, payload)
+            except SignatureError as err:
+                self._reject(delivery.node_id, "?", "signature", str(err))
+                return
+        try:
+            reply = message_from_bytes(payload, max_bytes=self._max_message_bytes)
+        except MessageDecodeError as err:
+            self._reject(delivery.node_id, "?", "undecodable", str(err))
+            return
+        instruction_id = reply.metadata.reply_to_message_id
+        with self._cond:
+            awaited = self._awaited.get(instruction_id)
+            if awaited is None:
+                reason = "late" if instruction_id in self._finished else "unknown-instruction"
+                self._reject(delivery.node_id, "?", reason, f"reply to {instruction_id!r}")
+                return
+            if awaited.node != delivery.node_id or reply.metadata.src_node_id != flower_node_id(
+                delivery.node_id
+            ):
+                self._reject(
+                    delivery.node_id, awaited.server_round, "wrong-sender", f"instruction for {awaited.node}"
+                )
+                return
+            del self._awaited[instruction_id]
+            self._finish(instruction_id)
+            _set_message_id(reply, uuid.uuid4().hex)
+            self._replies[instruction_id] = reply
+            self._cond.notify_all()
+        self._record("accepted", delivery.node_id, awaited.server_round, instruction=instruction_id)
+
+    def _on_profile(self, delivery: Delivery) -> None:
+        try:
+            if len(delivery.payload) > _MAX_PROFILE_BYTES:
+                raise ValueError("too large")
+            profile = json.loads(bytes(delivery.payload))
+            if not isinstance(profile, dict):
+                raise ValueError("not an object")
+        except ValueError as err:
+            self._reject(delivery.node_id, "-", "bad-profile", str(err))
+            return
+        self.profiles[delivery.node_id] = profile
+        log.info("node %s profile: %s", delivery.node_id, profile)
+
+    def _finish(self, instruction_id: str) -> None:
+        self._finished[instruction_id] = None
+        while len(self._finished) > _FORGET_AFTER:
+            self._finished.popitem(last=False)
+
+    def _reject(self, node: str, server_round: str, reason: str, detail: str) -> None:
+        self.dropped[reason] += 1
+        log.warning("dropped reply from node %s (round %s): %s: %s", node, server_round, reason, detail)
+        self._record("rejected", node, server_round, reason=reason, detail=detail)
+
+    def _record(self, event: str, node: str, server_round: str, **fields: Any) -> None:
+        if self._audit is not None:
+            self._audit({"event": event, "node": node, "round": server_round, "time": time.time(), **fields})
+
+
+def _round_of(message: Message) -> str:
+    """The round Flower's strategies stamp into the instruction's config (``server-round``), if any."""
+    config = message.content.config_records.get("config") if message.has_content() else None
+    return str(config.get("server-round", "?")) if config is not None else "?"
