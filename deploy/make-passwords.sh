@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Generate MQTT credentials for a fedge fleet: one random password per node plus the coordinator.
+#
+#   deploy/make-passwords.sh [-d DIR] [-o OWNER] [-b BROKER_OWNER] (-n COUNT | NODE_ID...)
+#
+#   -d DIR           output directory (default: deploy/secrets next to this script)
+#   -o OWNER         chown the credential files to OWNER (user[:group]) so the fedge service can read them
+#                    (10001:10001 is the fedge user in deploy/Dockerfile; needs root)
+#   -b BROKER_OWNER  chown the broker's password file (1883:1883 is mosquitto in eclipse-mosquitto; needs root)
+#   -n COUNT         nodes node-1 ... node-COUNT
+#   NODE_ID...       explicit node ids: 1-64 letters, digits, '_', '.' or '-' (no ':', which ends the
+#                    user name in Mosquitto's password file)
+#
+# Writes, all mode 0600, in a 0700 directory:
+#   DIR/mosquitto/passwd               hashed (PBKDF2-SHA512) for Mosquitto's password_file
+#   DIR/credentials/<user>.password    the plain password of one client, for its fedge config's password_file
+# The MQTT username of a node is its node id (the broker ACL isolates nodes by username); the coordinator's
+# is "coordinator". Re-running replaces every password. No password appears on a command line.
+set -euo pipefail
+
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" >&2; exit 2; }
+die() { echo "make-passwords.sh: $*" >&2; exit 2; }
+
+out_dir="$(cd "$(dirname "$0")" && pwd)/secrets"
+owner="" broker_owner="" count=""
+while getopts "d:o:b:n:h" opt; do
+    case "$opt" in
+        d) out_dir="$OPTARG" ;;
+        o) owner="$OPTARG" ;;
+        b) broker_owner="$OPTARG" ;;
+        n) count="$OPTARG" ;;
+        *) usage ;;
+    esac
+done
+shift $((OPTIND - 1))
+
+nodes=("$@")
+if [[ -n "$count" ]]; then
+    [[ ${#nodes[@]} -eq 0 ]] || die "give -n COUNT or node ids, not both"
+    [[ "$count" =~ ^[1-9][0-9]{0,4}$ ]] || die "-n needs a count from 1 to 99999, got '$count'"
+    for ((i = 1; i <= count; i++)); do nodes+=("node-$i"); done
+fi
+[[ ${#nodes[@]} -gt 0 ]] || usage
+command -v mosquitto_passwd >/dev/null || die "mosquitto_passwd not found (apt-get install mosquitto)"
+
+declare -A seen=()
+for node in "${nodes[@]}"; do
+    # fedge.transport.topics.validate_name's rule (safe as a topic level and as %u in ACL patterns) minus
+    # ':', which Mosquitto's password file uses as the user name/hash separator.
+    [[ "$node" =~ ^[A-Za-z0-9_.-]{1,64}$ ]] || die "node id '$node' must be 1-64 letters, digits, '_', '.' or '-'"
+    [[ "$node" != "coordinator" ]] || die "node id 'coordinator' is reserved for the coordinator"
+    [[ -z "${seen[$node]:-}" ]] || die "node id '$node' given twice"
+    seen[$node]=1
+done
+
+random_password() {
+    # 32 random bytes as URL-safe base64 without padding (43 characters, 256 bits).
+    head -c 32 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n'
+}
+
+umask 077
+mkdir -p "$out_dir/mosquitto" "$out_dir/credentials"
+chmod 700 "$out_dir" "$out_dir/mosquitto" "$out_dir/credentials"
+
+plain="$(mktemp "$out_dir/mosquitto/.passwd.XXXXXX")"
+trap 'rm -f "$plain"' EXIT
+for user in coordinator "${nodes[@]}"; do
+    password="$(random_password)"
+    printf '%s\n' "$password" > "$out_dir/credentials/$user.password"
+    printf '%s:%s\n' "$user" "$password" >> "$plain"
+done
+# -U hashes a plain "user:password" file in place, so passwords never reach a command line.
+mosquitto_passwd -U "$plain"
+mv -f "$plain" "$out_dir/mosquitto/passwd"
+trap - EXIT
+
+if [[ -n "$owner" ]]; then
+    chown "$owner" "$out_dir/credentials" "$out_dir"/credentials/*.password
+fi
+if [[ -n "$broker_owner" ]]; then
+    chown "$broker_owner" "$out_dir/mosquitto" "$out_dir/mosquitto/passwd"
+fi
+echo "wrote $out_dir/mosquitto/passwd and $((${#nodes[@]} + 1)) files in $out_dir/credentials (coordinator, ${nodes[*]})"
