@@ -6,6 +6,8 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +89,107 @@ def simulate(
     )
 
 
-def _configure_logging(verbose: bool) -> None:
-    """fedge's logs to stderr; Flower keeps its own handler, quiet unless asked (its INFO is per message)."""
+def _configure_logging(verbose: bool, service: bool = False) -> None:
+    """fedge's logs to stderr; Flower keeps its own handler, quiet unless asked (its INFO is per message).
+
+    Services (coordinator, agent) log at INFO with timestamps: their logs are the operator's record.
+    """
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    fmt = (
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        if service
+        else "%(levelname)s %(name)s: %(message)s"
+    )
+    handler.setFormatter(logging.Formatter(fmt))
     fedge_log = logging.getLogger("fedge")
     fedge_log.addHandler(handler)
-    fedge_log.setLevel(logging.INFO if verbose else logging.WARNING)
+    fedge_log.setLevel(logging.INFO if verbose or service else logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.INFO if verbose else logging.ERROR)
+
+
+@app.command()
+def coordinator(
+    config: Path = typer.Option(..., "--config", help="coordinator.toml (state_dir, [mqtt], [app])."),
+    resume: bool = typer.Option(False, "--resume", help="Continue after the last completed round."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
+) -> None:
+    """Run the coordinator service: rounds over MQTT, a checkpoint and an audit log per round."""
+    from fedge.server.coordinator import CoordinatorConfig, run_coordinator
+    from fedge.simulation.display import summary_table
+
+    with _config_errors():
+        settings = CoordinatorConfig.from_toml(config)
+        settings.node_keys()
+    _configure_logging(verbose, service=True)
+    try:
+        history = run_coordinator(settings, resume=resume)
+    except (TimeoutError, ConnectionError) as err:
+        raise fail(str(err)) from None
+    from rich.console import Console
+
+    Console().print(summary_table(history, title="fedge coordinator"))
+
+
+@app.command()
+def agent(
+    config: Path = typer.Option(
+        ..., "--config", help="agent.toml (node_id, state_dir, [mqtt], [node_config])."
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
+) -> None:
+    """Run the device agent: execute the ClientApp for every instruction from the coordinator."""
+    import signal
+    import threading
+
+    from fedge.client.agent import AgentConfig, DeviceAgent
+
+    with _config_errors():
+        settings = AgentConfig.from_toml(config)
+        device = DeviceAgent(settings)
+    _configure_logging(verbose, service=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        device.run_forever(stop)
+    except ConnectionError as err:
+        raise fail(str(err)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def status(
+    config: Path = typer.Option(..., "--config", help="The coordinator's coordinator.toml."),
+    json_out: bool = typer.Option(False, "--json", help="Print the raw status as JSON."),
+) -> None:
+    """Show the coordinator's round, online nodes and last accuracy."""
+    import json
+    import time
+
+    from fedge.server.coordinator import CoordinatorConfig, read_status
+
+    with _config_errors():
+        current = read_status(CoordinatorConfig.from_toml(config).state_dir)
+    if json_out:
+        typer.echo(json.dumps(current))
+        return
+    accuracy = current.get("last_accuracy")
+    typer.echo(f"round         {current['round']}/{current['rounds']}")
+    typer.echo(f"last accuracy {'-' if accuracy is None else f'{100 * accuracy:.2f}%'}")
+    typer.echo(f"online nodes  {len(current['online_nodes'])}: {' '.join(current['online_nodes'])}")
+    typer.echo(f"updated       {time.time() - current['updated_at']:.0f} s ago (pid {current['pid']})")
+
+
+@contextmanager
+def _config_errors() -> Iterator[None]:
+    """Configuration problems end the command with one line naming them."""
+    from fedge.app.config import ConfigError
+    from fedge.transport.config import ConfigError as TransportConfigError
+
+    try:
+        yield
+    except (ConfigError, TransportConfigError, ValueError) as err:
+        raise fail(str(err)) from None
 
 
 @app.command()

@@ -8,11 +8,13 @@ that mapping as a typed, validated object; ``fedge simulate`` builds one from fl
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["AppConfig", "ConfigError"]
+__all__ = ["AppConfig", "ConfigError", "read_toml"]
 
 
 class ConfigError(ValueError):
@@ -104,3 +106,13 @@ def _check_types(config: Any) -> None:
             object.__setattr__(config, field.name, float(value))
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ConfigError(f"{field.name} must be {expected.__name__}, got {value!r}")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file; a missing or malformed file is a :class:`ConfigError` naming it."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None

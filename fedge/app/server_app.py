@@ -73,6 +73,7 @@ def run_federated(
     *,
     resume: ResumePoint | None = None,
     on_round_end: Callable[[int, ArrayRecord, RunHistory], None] | None = None,
+    timeout: float = 3600.0,
 ) -> RunHistory:
     """Run ``config.rounds`` of federated training on ``grid``; return (and write) the history.
 
@@ -90,6 +91,8 @@ def run_federated(
         Continue after ``resume.completed_round`` from its global model and history (a restarted coordinator).
     on_round_end : callable(round, arrays, history), optional
         Called after each round's evaluation with the new global model (checkpoints go here).
+    timeout : float (default: 3600)
+        Seconds a round waits for replies; late ones are left out of the round.
     """
     random.seed(config.seed)  # Flower's node sampling draws from the global generator
     torch.manual_seed(config.seed)
@@ -150,6 +153,7 @@ def run_federated(
         train_config=train_config_record(config),
         evaluate_config=train_config_record(config),
         evaluate_fn=evaluate,
+        timeout=timeout,
     )
     if config.out_dir:
         write_outputs(history, Path(config.out_dir))

@@ -10,11 +10,11 @@ update is never applied to the residuals twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
 import struct
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +26,8 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from fedge.app.config import ConfigError, read_toml
+from fedge.atomic import write_bytes_atomic
 from fedge.compat import (
     MessageDecodeError,
     context_from_bytes,
@@ -37,6 +39,7 @@ from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import Delivery, NodeEndpoint
 from fedge.transport.grid import PROFILE_PREFIX, flower_node_id
 from fedge.transport.signing import sign
+from fedge.transport.toml_config import mqtt_config_from_mapping, read_secret
 
 __all__ = ["AgentConfig", "DeviceAgent", "device_profile", "load_client_app"]
 
@@ -74,6 +77,23 @@ class AgentConfig:
     node_config: dict[str, Any] = field(default_factory=dict)
     signing_key: bytes | None = None
     max_instruction_bytes: int = 256 * 1024 * 1024
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> AgentConfig:
+        """``node_id``, ``state_dir``, ``client_app``, ``signing_key_file`` at the top level, an ``[mqtt]``
+        table and a ``[node_config]`` table."""
+        values = read_toml(path)
+        key_file = values.pop("signing_key_file", None)
+        if key_file is not None:
+            values["signing_key"] = read_secret(key_file, "signing key").encode()
+        node_id = values.get("node_id")
+        mqtt = mqtt_config_from_mapping(values.pop("mqtt", {}))
+        if mqtt.username is None and isinstance(node_id, str):
+            mqtt = dataclasses.replace(mqtt, username=node_id)
+        try:
+            return cls(mqtt=mqtt, **values)
+        except TypeError as err:
+            raise ConfigError(f"{path}: {err}") from None
 
 
 def load_client_app(path: str) -> ClientApp:
@@ -153,7 +173,7 @@ class DeviceAgent:
             log.warning("instruction %s of %d bytes refused", delivery.message_id, len(delivery.payload))
             return
         path = self._inbox_dir / f"{_safe(delivery.message_id)}.msg"
-        _write_atomic(path, bytes(delivery.payload))
+        write_bytes_atomic(path, bytes(delivery.payload))
         self._process(path.stem, bytes(delivery.payload))
 
     def _process(self, instruction_id: str, payload: bytes) -> None:
@@ -214,7 +234,7 @@ class DeviceAgent:
             return None, "", b""
 
     def _save_state(self, context: Context, instruction_id: str, reply: bytes) -> None:
-        _write_atomic(
+        write_bytes_atomic(
             self._state_dir / "state.bin", _pack([context_to_bytes(context), instruction_id.encode(), reply])
         )
 
@@ -235,19 +255,6 @@ def _unpack(data: bytes, count: int) -> list[bytes]:
         parts.append(data[offset : offset + size])
         offset += size
     return parts
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _safe(message_id: str) -> str:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RoundMetrics", "RunHistory", "write_json_atomic"]
+from fedge.atomic import write_json_atomic
+
+__all__ = ["RoundMetrics", "RunHistory"]
 
 
 @dataclass
@@ -76,18 +75,3 @@ class RunHistory:
         path = Path(out_dir) / "metrics.json"
         write_json_atomic(path, self.to_json())
         return path
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON so a reader (or a crash) never sees half a file: temp file, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

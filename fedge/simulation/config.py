@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedge.app.config import AppConfig, ConfigError
+from fedge.app.config import AppConfig, ConfigError, read_toml
 
 __all__ = ["ENGINES", "SimulationConfig"]
 
@@ -61,12 +60,7 @@ class SimulationConfig:
     @classmethod
     def from_toml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> SimulationConfig:
         """Read a flat TOML file, then apply ``overrides`` (e.g. command-line flags)."""
-        try:
-            values = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError as err:
-            raise ConfigError(f"config file {path} does not exist") from err
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"config file {path} is not valid TOML: {err}") from err
+        values = read_toml(path)
         return cls.from_mapping({**values, **(overrides or {})})
 
     def to_json(self) -> dict[str, Any]:
