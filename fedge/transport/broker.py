@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -84,6 +85,7 @@ class MosquittoBroker:
     ) -> None:
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fedge-mosquitto-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.binary = binary
         extra = list(extra_config or [])
@@ -92,6 +94,9 @@ class MosquittoBroker:
         lines.append("set_tcp_nodelay true")
         if not any(line.startswith("allow_anonymous") for line in extra):
             lines.append("allow_anonymous true")
+        if os.geteuid() == 0 and not any(line.startswith("user ") for line in extra):
+            # Started as root, Mosquitto switches to user "mosquitto", who cannot write our private directory.
+            lines.append("user root")
         if persistence:
             lines += ["persistence true", f"persistence_location {self.workdir}/", "autosave_interval 60"]
         if max_packet_size is not None:

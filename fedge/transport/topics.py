@@ -79,6 +79,23 @@ class Topics:
         """Subscription filter for every node's status."""
         return f"{self._root}/presence/+"
 
+    def mosquitto_acl(self, coordinator_user: str = "coordinator") -> str:
+        """A Mosquitto ACL file that confines each node (username == node id) to its own topics."""
+        root = self._root
+        return "\n".join(
+            [
+                f"user {coordinator_user}",
+                f"topic readwrite {root}/#",
+                "",
+                f"pattern read {root}/node/%u/in",
+                f"pattern write {root}/node/%u/in/ack",
+                f"pattern write {root}/node/%u/out",
+                f"pattern read {root}/node/%u/out/ack",
+                f"pattern readwrite {root}/presence/%u",
+                "",
+            ]
+        )
+
     def node_of(self, topic: str) -> str | None:
         """The node id in a node or presence topic of this fleet, or None if the topic is not one."""
         parts = topic.split("/")

@@ -52,7 +52,10 @@ def make_config() -> Callable[..., MqttConfig]:
 
     def make(url: str, protocol: str = "auto", **settings: object) -> MqttConfig:
         transfer = TransferSettings(**settings)  # type: ignore[arg-type]
-        return MqttConfig(broker_url=url, fleet=fleet, protocol=protocol, transfer=transfer)  # type: ignore[arg-type]
+        # Quick reconnects keep tests that cut links short.
+        return MqttConfig(
+            broker_url=url, fleet=fleet, protocol=protocol, transfer=transfer, reconnect_max_s=0.5
+        )  # type: ignore[arg-type]
 
     return make
 
