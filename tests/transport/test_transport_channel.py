@@ -1,4 +1,4 @@
-"""The reliable channel end to end, on a real Mosquitto (MQTT 5 and 3.1.1) and on the embedded amqtt broker."""
+"""The reliable channel end to end: a real Mosquitto (MQTT 5 and 3.1.1) and the embedded amqtt broker."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_resume_after_reconnect_resends_only_the_missing_chunks(own_mosquitto, m
     }
     with LossyLinkProxy("127.0.0.1", broker.port, LinkProfile(rate_bytes_per_s=1e6)) as proxy:
         coordinator_config = make_config(broker.url, "5", **settings)
-        # The node's session expires 1 s after its link drops, so the broker discards what it queued meanwhile.
+        # The node's session expires 1 s after its link drops: the broker discards what it queued meanwhile.
         node_config = replace(
             coordinator_config, broker_url=proxy.url, session_expiry_s=1, reconnect_max_s=0.3
         )
@@ -158,7 +158,7 @@ def test_an_expired_request_dies_before_delivery(mosquitto, make_config, protoco
         time.sleep(1.5)  # Mosquitto compares expiry in whole seconds
         with NodeEndpoint(config, "n1") as node:
             assert node.receive(1.0) is None
-            # MQTT 5: the broker dropped it (message expiry); 3.1.1: the node saw it and rejected it (deadline).
+            # MQTT 5: the broker dropped it (message expiry); 3.1.1: the node saw and rejected it (deadline).
             assert node.channel.receiver_stats.rejected == (0 if protocol == "5" else 1)
 
 
@@ -226,18 +226,18 @@ def test_wrong_password_fails_fast_and_acl_isolates_nodes(own_mosquitto, make_co
         NodeEndpoint(as_user("n1", "wrong"), "n1").start()
     assert time.monotonic() - started < 5
 
+    # n2 pretends to be n1: the broker lets it read nothing of n1's and write nothing as n1.
     with (
         CoordinatorEndpoint(as_user("coordinator")) as coordinator,
         NodeEndpoint(as_user("n1"), "n1") as node,
+        NodeEndpoint(replace(as_user("n2"), client_id="intruder"), "n1") as intruder,
     ):
-        # n2 pretends to be n1: the broker lets it read nothing of n1's and write nothing as n1.
-        with NodeEndpoint(replace(as_user("n2"), client_id="intruder"), "n1") as intruder:
-            assert coordinator.send("n1", b"for n1 only").wait(10)
-            assert node.receive(5).payload == b"for n1 only"  # type: ignore[union-attr]
-            assert intruder.receive(0.5) is None
-            with pytest.raises(TransferError, match="expired"):
-                intruder.send(b"forged", expiry_s=1.0).wait(5)
-            assert coordinator.receive(0.2) is None
+        assert coordinator.send("n1", b"for n1 only").wait(10)
+        assert node.receive(5).payload == b"for n1 only"  # type: ignore[union-attr]
+        assert intruder.receive(0.5) is None
+        with pytest.raises(TransferError, match="expired"):
+            intruder.send(b"forged", expiry_s=1.0).wait(5)
+        assert coordinator.receive(0.2) is None
 
 
 def test_embedded_broker_starts_and_stops_cleanly() -> None:
