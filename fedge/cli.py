@@ -40,7 +40,10 @@ def simulate(
     clients: int | None = typer.Option(None, help="Virtual clients [default: 20]."),
     rounds: int | None = typer.Option(None, help="Federated rounds [default: 30]."),
     seed: int | None = typer.Option(None, help="Seed for model, sampling, partitions [default: 0]."),
-    engine: str | None = typer.Option(None, help="local (in-process, fast) or ray (Flower's engine)."),
+    engine: str | None = typer.Option(
+        None, help="local (in-process, fast), ray (Flower's) or mqtt (agents)."
+    ),
+    broker: str | None = typer.Option(None, help="mqtt engine: broker URL [default: start an embedded one]."),
     task: str | None = typer.Option(None, help="Task import path 'package.module:TaskClass'."),
     alpha: float | None = typer.Option(
         None, help="Dirichlet concentration of the label split [default: 0.5]."
@@ -65,6 +68,7 @@ def simulate(
         "rounds": rounds,
         "seed": seed,
         "engine": engine,
+        "broker": broker,
         "task": task,
         "alpha": alpha,
         "out_dir": str(out),

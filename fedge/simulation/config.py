@@ -12,7 +12,7 @@ from fedge.app.config import AppConfig, ConfigError, read_toml
 
 __all__ = ["ENGINES", "SimulationConfig"]
 
-ENGINES = ("local", "ray")
+ENGINES = ("local", "ray", "mqtt")
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,12 @@ class SimulationConfig:
     clients : int (default: 20)
         Virtual clients (Flower nodes), each with its own data partition.
     engine : str (default: "local")
-        ``local`` (in-process Grid, fast) or ``ray`` (Flower's simulation engine).
+        ``local`` (in-process Grid, fast), ``ray`` (Flower's simulation engine) or ``mqtt`` (a broker, the
+        coordinator service and one device-agent process per client).
     workers : int (default: 2)
         ClientApps run at once by the local engine (Ray: concurrent actors).
+    broker : str (default: "")
+        For the ``mqtt`` engine: an existing broker URL; empty starts fedge's embedded broker.
     app : AppConfig
         Rounds, task, data split and training hyper-parameters.
     """
@@ -34,6 +37,7 @@ class SimulationConfig:
     clients: int = 20
     engine: str = "local"
     workers: int = 2
+    broker: str = ""
     app: AppConfig = field(default_factory=AppConfig)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from flwr.app import Context
@@ -44,6 +45,11 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
     app_config = dataclasses.replace(config.app, min_nodes=config.clients)
     if config.engine == "ray":
         return _run_ray(config, app_config, list(listeners))
+    if config.engine == "mqtt":
+        from fedge.simulation.mqtt_engine import run_mqtt_simulation
+
+        workdir = Path(config.app.out_dir) / "mqtt" if config.app.out_dir else None
+        return run_mqtt_simulation(config.clients, app_config, listeners, config.broker, workdir)
     return _run_local(config, app_config, list(listeners))
 
 

@@ -79,4 +79,4 @@ def test_bad_input_in_a_real_process_prints_no_traceback():
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert proc.stderr.strip() == "error: unknown engine 'quantum'; choose one of: local, ray"
+    assert proc.stderr.strip() == "error: unknown engine 'quantum'; choose one of: local, ray, mqtt"
