@@ -50,6 +50,7 @@ _TINY = np.float32(1e-30)  # below this a block's peak is treated as zero (its i
 _MAX_BLOCK = 1 << 24
 _FP16_MAX = np.float32(65504.0)
 _MAX_BODY = 1 << 62
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 ValueDecoder = Callable[[], np.ndarray]
 
@@ -246,10 +247,11 @@ def _finite(array: np.ndarray, what: str) -> np.ndarray:
     return array
 
 
-def _scales(reader: Reader, count: int, what: str) -> np.ndarray:
+def _scales(reader: Reader, count: int, what: str, largest_code: int = 1) -> np.ndarray:
+    """Read ``count`` scales; each must be >= 0 and small enough that ``largest_code · scale`` is finite."""
     scales = _finite(reader.float32(count, what), what)
-    if (scales < 0).any():
-        raise MalformedPayloadError(f"{what} holds a negative scale")
+    if (scales < 0).any() or (scales > _FLOAT32_MAX / largest_code).any():
+        raise MalformedPayloadError(f"{what} holds a scale out of range")
     return scales
 
 
@@ -291,7 +293,7 @@ def read_values(reader: Reader, count: int, what: str) -> ValueDecoder:
         blocks = -(-count // block)
         width = 8 if code == BlockInt8.code else 4
         body = Reader(_body(reader, 4 * blocks + packed_size(count, width), what))
-        scales = _scales(body, blocks, f"{what} scales")
+        scales = _scales(body, blocks, f"{what} scales", 128 if code == BlockInt8.code else 8)
         packed = body.take(body.remaining, what)
         if code == BlockInt8.code:
             return lambda: _expand(scales, np.frombuffer(packed, dtype=np.int8), block)

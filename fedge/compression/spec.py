@@ -135,6 +135,10 @@ def _make(cls: type, what: str, args: Mapping[str, Any], *, from_text: bool) -> 
     unknown = sorted(set(args) - set(hints))
     if unknown:
         raise CodecConfigError(f"{what}: unknown parameter {unknown[0]!r}; expected one of {sorted(hints)}")
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    missing = [name for name in required if name not in args]
+    if missing:
+        raise CodecConfigError(f"{what}: missing parameter {missing[0]!r}")
     kwargs = {key: _convert(what, key, value, hints[key], from_text) for key, value in args.items()}
     return cls(**kwargs)
 

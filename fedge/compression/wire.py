@@ -54,6 +54,7 @@ DTYPES = ("float32", "float16", "float64", "int8", "int16", "int32", "int64", "u
 DENSE, SPARSE, RANDOM, LOWRANK = 0, 1, 2, 3
 KINDS = ("dense", "sparse", "randk", "lowrank")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_MAX_DIM = 1 << 62
 _ADD_CHUNK = 1 << 22  # elements of a low-rank product formed at once by decode_add
 
 
@@ -69,7 +70,11 @@ def write_tensor_header(out: bytearray, name: bytes, dtype: int, shape: tuple[in
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """What a payload says about one tensor, and how many bytes each part takes."""
+    """What a payload says about one tensor, and how many bytes each part takes.
+
+    ``position_bytes`` counts everything that locates the nonzeros of a sparse or random-k record (the
+    count, the Rice parameter and streams, or the seed); ``value_bytes`` the whole value block.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -163,10 +168,10 @@ def _parse(payload: bytes | bytearray | memoryview, max_elements: int) -> tuple[
         ndim = reader.u8(f"tensor {name!r} ndim")
         if ndim > MAX_NDIM:
             raise MalformedPayloadError(f"tensor {name!r}: {ndim} dimensions exceed {MAX_NDIM}")
-        shape = tuple(reader.varint(f"tensor {name!r} shape", max_elements) for _ in range(ndim))
+        shape = tuple(reader.varint(f"tensor {name!r} shape", _MAX_DIM) for _ in range(ndim))
         size = math.prod(shape)
         total += size
-        if total > max_elements:
+        if total > max_elements or max(shape, default=0) > max_elements:
             raise PayloadTooLargeError(
                 f"tensor {name!r}: payload claims {total} elements, over the cap of {max_elements}"
             )
@@ -199,7 +204,7 @@ def _read_record(reader: Reader, name: str, shape: tuple[int, ...], dtype: str, 
         if kind == SPARSE:
             positions = decode_positions(reader, count, size)
         else:
-            positions = random_positions(size, count, reader.u64(f"{what} seed"))
+            seed = reader.u64(f"{what} seed")
     elif kind == LOWRANK:
         if len(shape) < 2:
             raise MalformedPayloadError(f"{what}: low rank needs two or more dimensions, got {len(shape)}")
@@ -213,6 +218,8 @@ def _read_record(reader: Reader, name: str, shape: tuple[int, ...], dtype: str, 
     values_start = reader.offset
     value_code = reader.peek_u8(f"{what} value code")
     values = read_values(reader, count, what)
+    if kind == RANDOM:  # drawn after the value block proved the payload really carries `count` values
+        positions = random_positions(size, count, seed)
     if kind == LOWRANK:
         factors = _factors(values(), rows, cols, rank, what)
     info = TensorInfo(
@@ -222,7 +229,7 @@ def _read_record(reader: Reader, name: str, shape: tuple[int, ...], dtype: str, 
         kind=KINDS[kind],
         value_code=value_code,
         nnz=count if kind in (SPARSE, RANDOM) else size,
-        position_bytes=values_start - positions_start - 1 if kind in (SPARSE, RANDOM) else 0,
+        position_bytes=values_start - positions_start if kind in (SPARSE, RANDOM) else 0,
         value_bytes=reader.offset - values_start,
         record_bytes=reader.offset - start,
     )
