@@ -1,0 +1,192 @@
+"""MqttGrid against a real Mosquitto: sampling, sender checks, late and duplicate replies, signatures."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedge.app.config import AppConfig
+from fedge.app.server_app import run_federated
+from fedge.client.agent import AgentConfig, DeviceAgent
+from fedge.compat import message_from_bytes, message_to_bytes, set_task_identity
+from fedge.transport import NodeEndpoint
+from fedge.transport.grid import MqttGrid, flower_node_id
+from fedge.transport.signing import sign
+
+
+def _instruction(grid: MqttGrid, node: str, server_round: int = 1) -> Message:
+    set_task_identity(run_id=3)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({"w": Array(np.ones(3, dtype=np.float32))}),
+            "config": ConfigRecord({"server-round": server_round}),
+        }
+    )
+    return Message(content, flower_node_id(node), "train", ttl=60.0)
+
+
+def _reply_to(payload: bytes) -> bytes:
+    instruction = message_from_bytes(payload)
+    metrics = MetricRecord({"num-examples": 1})
+    reply = Message(
+        RecordDict({"arrays": instruction.content["arrays"], "metrics": metrics}), reply_to=instruction
+    )
+    return message_to_bytes(reply)
+
+
+def _node(mqtt, name: str) -> NodeEndpoint:
+    endpoint = NodeEndpoint(mqtt(), name)
+    endpoint.start()
+    return endpoint
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_agents_train_over_mqtt_and_every_update_is_audited(mqtt, tmp_path):
+    audit: list[dict] = []
+    agents = [
+        DeviceAgent(
+            AgentConfig(
+                node_id=f"dev{i}",
+                mqtt=mqtt(),
+                state_dir=str(tmp_path / f"a{i}"),
+                node_config={"partition-id": i, "num-partitions": 3},
+            )
+        )
+        for i in range(3)
+    ]
+    for agent in agents:
+        agent.start()
+    try:
+        with MqttGrid(mqtt(), audit=audit.append) as grid:
+            assert grid.wait_for_nodes(3, timeout=20)
+            assert sorted(grid.get_node_ids()) == sorted(flower_node_id(f"dev{i}") for i in range(3))
+            set_task_identity(run_id=1)
+            history = run_federated(grid, AppConfig(rounds=2, local_epochs=1, min_nodes=3))
+            _wait(lambda: len(grid.profiles) == 3)
+            assert grid.profiles["dev0"]["cpus"] >= 1
+    finally:
+        for agent in agents:
+            agent.close()
+    assert [r.clients_replied for r in history.rounds] == [3, 3]
+    assert history.rounds[-1].accuracy > 0.3
+    accepted = sorted((e["node"], e["round"]) for e in audit if e["event"] == "accepted")
+    assert accepted == sorted((f"dev{i}", r) for i in range(3) for r in ("1", "2"))
+
+
+def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
+    audit: list[dict] = []
+    with MqttGrid(mqtt(), audit=audit.append) as grid:
+        alice, mallory = _node(mqtt, "alice"), _node(mqtt, "mallory")
+        try:
+            assert grid.wait_for_nodes(2, timeout=20)
+            (instruction_id,) = grid.push_messages([_instruction(grid, "alice")])
+            delivery = alice.receive(timeout=10)
+            assert delivery is not None and delivery.message_id == instruction_id
+            reply = _reply_to(bytes(delivery.payload))
+
+            mallory.send(reply, message_id="forged").wait(10)  # alice's reply, from mallory's outbox
+            alice.send(b"\x00garbage", message_id="junk").wait(10)
+            _wait(lambda: grid.dropped["wrong-sender"] == 1 and grid.dropped["undecodable"] == 1)
+            assert grid.pull_messages([instruction_id]) == []
+
+            alice.send(reply, message_id="first").wait(10)
+            _wait(lambda: len(grid._replies) == 1)
+            alice.send(reply, message_id="again").wait(10)  # a re-sent copy after a reconnect
+            _wait(lambda: grid.dropped["late"] == 1)
+            (got,) = grid.pull_messages([instruction_id])
+            assert got.metadata.src_node_id == flower_node_id("alice")
+
+            # A round that times out: its reply arrives after the Grid gave up on it.
+            replies = grid.send_and_receive([_instruction(grid, "alice", server_round=2)], timeout=0.5)
+            assert list(replies) == []
+            stale = alice.receive(timeout=10)
+            alice.send(_reply_to(bytes(stale.payload)), message_id="stale").wait(10)
+            _wait(lambda: grid.dropped["late"] == 2)
+        finally:
+            alice.close()
+            mallory.close()
+    reasons = [e.get("reason") for e in audit if e["event"] == "rejected"]
+    assert sorted(reasons) == ["late", "late", "undecodable", "wrong-sender"]
+    assert [e["node"] for e in audit if e["event"] == "accepted"] == ["alice"]
+
+
+def test_signed_replies_are_checked_per_node(mqtt):
+    keys = {"bob": b"k" * 32}
+    with MqttGrid(mqtt(), node_keys=keys) as grid:
+        bob = _node(mqtt, "bob")
+        try:
+            assert grid.wait_for_nodes(1, timeout=20)
+            (instruction_id,) = grid.push_messages([_instruction(grid, "bob")])
+            reply = _reply_to(bytes(bob.receive(timeout=10).payload))
+            tampered = bytearray(sign(keys["bob"], reply))
+            tampered[-5] ^= 0x01
+            bob.send(reply, message_id="unsigned").wait(10)
+            bob.send(sign(b"x" * 32, reply), message_id="other-key").wait(10)
+            bob.send(bytes(tampered), message_id="tampered").wait(10)
+            _wait(lambda: grid.dropped["signature"] == 3)
+            assert grid.pull_messages([instruction_id]) == []
+            bob.send(sign(keys["bob"], reply), message_id="good").wait(10)
+            _wait(lambda: len(grid._replies) == 1)
+        finally:
+            bob.close()
+
+
+def test_profile_messages_are_size_checked(mqtt):
+    with MqttGrid(mqtt()) as grid:
+        node = _node(mqtt, "carol")
+        try:
+            node.send(json.dumps({"cpus": 4}).encode(), message_id="profile:1").wait(10)
+            node.send(b"[1, 2]", message_id="profile:2").wait(10)
+            _wait(lambda: grid.dropped["bad-profile"] == 1 and "carol" in grid.profiles)
+        finally:
+            node.close()
+    assert grid.profiles["carol"] == {"cpus": 4}
+
+
+@pytest.mark.parametrize("crash_after_reply", [False, True])
+def test_agent_state_survives_a_restart(mqtt, tmp_path, monkeypatch, crash_after_reply):
+    """The Context is on disk; an instruction already answered is answered again, not re-trained."""
+    from flwr.clientapp import ClientApp
+
+    runs: list[int] = []
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        count = int(context.state["n"]["count"]) + 1 if "n" in context.state else 1
+        context.state["n"] = MetricRecord({"count": count})
+        runs.append(count)
+        return Message(RecordDict({"metrics": MetricRecord({"count": count})}), reply_to=msg)
+
+    import fedge.client.agent as agent_module
+
+    config = AgentConfig(node_id="dave", mqtt=mqtt(), state_dir=str(tmp_path), client_app="x:y")
+    monkeypatch.setattr(agent_module, "load_client_app", lambda path: app)
+    with MqttGrid(mqtt()) as grid:
+        first = DeviceAgent(config)
+        first.start()
+        assert grid.wait_for_nodes(1, timeout=20)
+        (reply,) = grid.send_and_receive([_instruction(grid, "dave")], timeout=30)
+        assert reply.content["metrics"]["count"] == 1
+        first.close()
+        pending = message_to_bytes(_instruction(grid, "dave"))
+        if crash_after_reply:  # the last instruction comes back from the inbox directory after a crash
+            last_id = first._load_state()[1]
+            (tmp_path / "inbox" / f"{last_id}.msg").write_bytes(pending)
+        second = DeviceAgent(config)
+        second.start()
+        _wait(lambda: grid.node_name(flower_node_id("dave")) is not None)
+        (reply,) = grid.send_and_receive([_instruction(grid, "dave")], timeout=30)
+        second.close()
+    assert reply.content["metrics"]["count"] == 2  # the counter in context.state survived the restart
+    assert runs == [1, 2]  # nothing trained twice
