@@ -238,6 +238,11 @@ class EmbeddedBroker:
             except BaseException as err:  # reported by start()
                 errors.append(err)
                 ready.set()
+            # amqtt leaves tasks (e.g. its session monitor) cancelled but not awaited.
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
         self._thread = threading.Thread(target=run, name="fedge-amqtt", daemon=True)
         self._thread.start()

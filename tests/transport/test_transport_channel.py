@@ -72,7 +72,10 @@ def test_multi_chunk_round_trip(
     assert node.receive(0.2) is None and coordinator.receive(0.2) is None
 
 
-def test_a_repeated_message_id_is_delivered_once(mosquitto: MosquittoBroker, make_config) -> None:
+def test_a_repeated_message_id_is_delivered_once(
+    mosquitto: MosquittoBroker,
+    make_config: Callable[..., MqttConfig],
+) -> None:
     config = make_config(mosquitto.url)
     with CoordinatorEndpoint(config) as coordinator, NodeEndpoint(config, "n1") as node:
         assert coordinator.send("n1", b"first", message_id="cmd-7").wait(10)
@@ -83,7 +86,11 @@ def test_a_repeated_message_id_is_delivered_once(mosquitto: MosquittoBroker, mak
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
-def test_chunks_stay_below_the_brokers_maximum_packet_size(own_mosquitto, make_config, protocol: str) -> None:
+def test_chunks_stay_below_the_brokers_maximum_packet_size(
+    own_mosquitto: Callable[..., MosquittoBroker],
+    make_config: Callable[..., MqttConfig],
+    protocol: str,
+) -> None:
     broker = own_mosquitto(max_packet_size=20_000)
     config = make_config(broker.url, protocol)  # default chunk size 256 KiB would be refused
     if protocol == "3.1.1":  # no CONNACK property: the limit comes from configuration
@@ -96,7 +103,10 @@ def test_chunks_stay_below_the_brokers_maximum_packet_size(own_mosquitto, make_c
         assert coordinator.channel.sender_stats.chunks_sent >= 6  # 100 KiB in chunks below 20,000 bytes
 
 
-def test_broker_restart_mid_transfer_completes_and_delivers_once(own_mosquitto, make_config) -> None:
+def test_broker_restart_mid_transfer_completes_and_delivers_once(
+    own_mosquitto: Callable[..., MosquittoBroker],
+    make_config: Callable[..., MqttConfig],
+) -> None:
     broker = own_mosquitto()
     payload = os.urandom(3 * 1024 * KiB)
     # The coordinator's link is slow (2 MB/s) so the restart lands in the middle of the transfer.
@@ -116,7 +126,10 @@ def test_broker_restart_mid_transfer_completes_and_delivers_once(own_mosquitto, 
             assert node.channel.connection.connects >= 2 and coordinator.channel.connection.connects >= 2
 
 
-def test_resume_after_reconnect_resends_only_the_missing_chunks(own_mosquitto, make_config) -> None:
+def test_resume_after_reconnect_resends_only_the_missing_chunks(
+    own_mosquitto: Callable[..., MosquittoBroker],
+    make_config: Callable[..., MqttConfig],
+) -> None:
     broker = own_mosquitto()
     payload = os.urandom(64 * 16 * KiB)
     settings = {
@@ -147,7 +160,11 @@ def test_resume_after_reconnect_resends_only_the_missing_chunks(own_mosquitto, m
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
-def test_an_expired_request_dies_before_delivery(mosquitto, make_config, protocol: str) -> None:
+def test_an_expired_request_dies_before_delivery(
+    mosquitto: MosquittoBroker,
+    make_config: Callable[..., MqttConfig],
+    protocol: str,
+) -> None:
     config = make_config(mosquitto.url, protocol, clock_skew_s=0.0)
     with NodeEndpoint(config, "n1"):
         pass  # the node's persistent session now exists, and the node is offline
@@ -162,7 +179,10 @@ def test_an_expired_request_dies_before_delivery(mosquitto, make_config, protoco
             assert node.channel.receiver_stats.rejected == (0 if protocol == "5" else 1)
 
 
-def test_partial_transfer_expires_on_the_receiver(mosquitto, make_config) -> None:
+def test_partial_transfer_expires_on_the_receiver(
+    mosquitto: MosquittoBroker,
+    make_config: Callable[..., MqttConfig],
+) -> None:
     node_config = make_config(mosquitto.url, chunk_size=16 * KiB, window=8, clock_skew_s=0.0)
     with LossyLinkProxy("127.0.0.1", mosquitto.port, LinkProfile(rate_bytes_per_s=500e3)) as proxy:
         coordinator_config = replace(node_config, broker_url=proxy.url)
@@ -178,7 +198,9 @@ def test_partial_transfer_expires_on_the_receiver(mosquitto, make_config) -> Non
 
 
 def test_fuzzed_frames_through_the_broker_are_dropped_and_counted(
-    mosquitto, make_config, hostile_frames
+    mosquitto: MosquittoBroker,
+    make_config: Callable[..., MqttConfig],
+    hostile_frames: Callable[[int, int], list[tuple[str, bytes]]],
 ) -> None:
     config = make_config(mosquitto.url)
     frames = hostile_frames(2, 900)
@@ -207,7 +229,11 @@ def test_fuzzed_frames_through_the_broker_are_dropped_and_counted(
         assert node.channel._reassembler.buffered_bytes == 0
 
 
-def test_wrong_password_fails_fast_and_acl_isolates_nodes(own_mosquitto, make_config, tmp_path: Path) -> None:
+def test_wrong_password_fails_fast_and_acl_isolates_nodes(
+    own_mosquitto: Callable[..., MosquittoBroker],
+    make_config: Callable[..., MqttConfig],
+    tmp_path: Path,
+) -> None:
     config = make_config("mqtt://127.0.0.1:1")
     passwords, acl = tmp_path / "passwords", tmp_path / "acl"
     for i, user in enumerate(("coordinator", "n1", "n2")):
