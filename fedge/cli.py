@@ -13,6 +13,8 @@ from typing import Any
 
 import typer
 
+from fedge.transport.commands import broker_command, netem_command
+
 app = typer.Typer(
     name="fedge",
     help="Federated and edge learning for constrained devices.",
@@ -212,6 +214,10 @@ def bench(
     args += ["--quick"] if quick else []
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     raise typer.Exit(code=subprocess.call(args, env=env))
+
+
+app.command("broker")(broker_command)
+app.command("netem")(netem_command)
 
 
 def main() -> None:

@@ -13,15 +13,35 @@ The public face (see ``docs/mqtt-protocol.md`` for the topics and frames)::
         coordinator.online_nodes()
 """
 
-from fedge.transport.broker import EmbeddedBroker, MosquittoBroker, free_port, wait_for_port
-from fedge.transport.channel import ReliableChannel
-from fedge.transport.config import BrokerAddress, ConfigError, MqttConfig, TransferSettings
-from fedge.transport.endpoints import CoordinatorEndpoint, Delivery, NodeEndpoint
-from fedge.transport.netem import LinkProfile, LossyLinkProxy, ProxyStats
-from fedge.transport.presence import NodeStatus
-from fedge.transport.receiver import ReceiverStats
-from fedge.transport.sender import SenderStats, TransferError, TransferHandle
-from fedge.transport.topics import Topics
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedge.transport.broker import EmbeddedBroker, MosquittoBroker, free_port, wait_for_port
+    from fedge.transport.channel import ReliableChannel
+    from fedge.transport.config import BrokerAddress, ConfigError, MqttConfig, TransferSettings
+    from fedge.transport.endpoints import CoordinatorEndpoint, Delivery, NodeEndpoint
+    from fedge.transport.netem import LinkProfile, LossyLinkProxy, ProxyStats
+    from fedge.transport.presence import NodeStatus
+    from fedge.transport.receiver import ReceiverStats
+    from fedge.transport.sender import SenderStats, TransferError, TransferHandle
+    from fedge.transport.topics import Topics
+
+# Loaded on first use, so that importing a light submodule (e.g. the CLI commands) stays light.
+_HOMES = {
+    "broker": ["EmbeddedBroker", "MosquittoBroker", "free_port", "wait_for_port"],
+    "channel": ["ReliableChannel"],
+    "config": ["BrokerAddress", "ConfigError", "MqttConfig", "TransferSettings"],
+    "endpoints": ["CoordinatorEndpoint", "Delivery", "NodeEndpoint"],
+    "netem": ["LinkProfile", "LossyLinkProxy", "ProxyStats"],
+    "presence": ["NodeStatus"],
+    "receiver": ["ReceiverStats"],
+    "sender": ["SenderStats", "TransferError", "TransferHandle"],
+    "topics": ["Topics"],
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "BrokerAddress",
@@ -46,3 +66,15 @@ __all__ = [
     "free_port",
     "wait_for_port",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME_OF:
+        raise AttributeError(f"module 'fedge.transport' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"fedge.transport.{_HOME_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
