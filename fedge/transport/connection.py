@@ -13,6 +13,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -139,11 +140,18 @@ class MqttConnection:
 
         client.on_connect, client.on_disconnect = on_connect, lambda *_: done.set()
         client.on_pre_connect = None
-        client.reconnect_delay_set(1, 1)
-        client.connect_async(address.host, address.port, self.config.keepalive_s, clean_start=True)
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while True:  # connect synchronously to see the real error (refused, TLS) and retry until the deadline
+            try:
+                client.connect(address.host, address.port, self.config.keepalive_s, clean_start=True)
+                break
+            except OSError as err:
+                if isinstance(err, ssl.SSLError) or time.monotonic() > deadline:
+                    raise ConnectionError(f"cannot connect to {self.config.broker_url}: {err}") from None
+                time.sleep(0.2)
         client.loop_start()
         try:
-            done.wait(self.config.connect_timeout_s)
+            done.wait(max(0.0, deadline - time.monotonic()))
         finally:
             client.disconnect()
             client.loop_stop()
@@ -153,7 +161,7 @@ class MqttConnection:
             logger.info("broker %s does not speak MQTT 5; using MQTT 3.1.1", self.config.broker_url)
             return "3.1.1"
         reason = (
-            f"refused ({answer[0]:#x})" if answer else f"no answer within {self.config.connect_timeout_s:g} s"
+            f"refused ({answer[0]:#x})" if answer else f"no answer in {self.config.connect_timeout_s:g} s"
         )
         raise ConnectionError(f"cannot connect to {self.config.broker_url}: {reason}")
 
