@@ -193,6 +193,10 @@ class OutgoingTransfer:
                 del self._unacked[index]
                 self._acked.add(index)
                 progressed = True
+        held = [i for i in self._resend if bitmap_get(ack.bitmap, i)]  # arrived after all: no need to re-send
+        if held:
+            self._acked.update(held)
+            self._resend = [i for i in self._resend if i not in self._acked]
         if progressed:
             self._last_progress_s = now_s
             self._probe_interval_s = self._ack_timeout_s
