@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from fedge.compression.bits import put_varint
-from fedge.compression.errors import CodecConfigError, CodecError, InvalidTensorError, NonFiniteValueError
+from fedge.compression.errors import CodecConfigError, CodecError, InvalidTensorError
 from fedge.compression.powersgd import PowerSGD, matrix_shape
 from fedge.compression.quantize import BFloat16, Float16, Float32, ValueStage
 from fedge.compression.rice import encode_positions
-from fedge.compression.sparsify import RandomK, Threshold, TopK, random_positions
+from fedge.compression.sparsify import RandomK, Threshold, TopK, check_finite, random_positions
 from fedge.compression.wire import (
     DENSE,
     DTYPES,
@@ -194,12 +194,12 @@ class Codec:
         flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
         start = len(out)
         if self.policy.keeps_dense(name, flat.size):
-            _check_finite(flat)
+            check_finite(flat)
             out.append(DENSE)
             self.policy.dense_stage.encode(flat, rng, out)
             return
         self._encode_compressed(out, name, array.shape, flat, rng, state)
-        dense_size = 4 * flat.size + 2 + len(_varint(4 * flat.size))
+        dense_size = 2 + _varint_size(4 * flat.size) + 4 * flat.size  # kind, code, body length, body
         if len(out) - start > dense_size:  # never bigger than dense
             del out[start:]
             out.append(DENSE)
@@ -222,7 +222,7 @@ class Codec:
             encode_positions(positions, out)
             self.values.encode(flat[positions], rng, out)
             return
-        _check_finite(flat)
+        check_finite(flat)
         if isinstance(sparsifier, RandomK):
             count = sparsifier.count(flat.size)
             seed = int(rng.integers(0, 1 << 63))
@@ -252,15 +252,8 @@ class Codec:
         self.values.encode(np.concatenate([left.reshape(-1), right.reshape(-1)]), rng, out)
 
 
-def _check_finite(flat: np.ndarray) -> None:
-    if not np.isfinite(flat).all():
-        raise NonFiniteValueError("input holds NaN or infinity")
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    put_varint(out, value)
-    return bytes(out)
+def _varint_size(value: int) -> int:
+    return max(1, -(-value.bit_length() // 7))
 
 
 def _stage_spec(stage: Any) -> str:

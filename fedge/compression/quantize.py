@@ -78,62 +78,78 @@ def _peaks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return peak, inverse
 
 
-def _write_block(out: bytearray, code: int, params: list[int], body: list[bytes]) -> None:
-    out.append(code)
-    for value in params:
-        put_varint(out, value)
-    put_varint(out, sum(len(part) for part in body))
-    for part in body:
-        out += part
+class _ValueStage:
+    """Base of the value stages: writes ``code · params · body length · body``."""
+
+    name: ClassVar[str]
+    code: ClassVar[int]
+
+    def encode(self, values: np.ndarray, rng: np.random.Generator, out: bytearray) -> None:
+        """Append the value block of ``values`` to ``out``.
+
+        Parameters
+        ----------
+        values : np.ndarray
+            1-D float32 values, finite.
+        rng : np.random.Generator
+            Drives stochastic rounding; deterministic stages ignore it.
+        out : bytearray
+            The payload being written.
+        """
+        params, body = self._encode(values, rng)
+        out.append(self.code)
+        for value in params:
+            put_varint(out, value)
+        put_varint(out, sum(len(part) for part in body))
+        for part in body:
+            out += part
+
+    def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
+        """The varint parameters and the body parts of the block."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class Float32:
+class Float32(_ValueStage):
     """Values as little-endian float32 (lossless)."""
 
     name: ClassVar[str] = "fp32"
     code: ClassVar[int] = 0
-    lossless: ClassVar[bool] = True
 
-    def encode(self, values: np.ndarray, rng: np.random.Generator, out: bytearray) -> None:
-        """Append the value block for float32 ``values`` to ``out``."""
-        _write_block(out, self.code, [], [values.astype("<f4", copy=False).tobytes()])
+    def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
+        return [], [values.astype("<f4", copy=False).tobytes()]
 
 
 @dataclass(frozen=True)
-class Float16:
+class Float16(_ValueStage):
     """Values as IEEE half precision, saturating at ±65504."""
 
     name: ClassVar[str] = "fp16"
     code: ClassVar[int] = 1
-    lossless: ClassVar[bool] = False
 
-    def encode(self, values: np.ndarray, rng: np.random.Generator, out: bytearray) -> None:
-        """Append the value block for float32 ``values`` to ``out``."""
+    def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
         half = np.clip(values, -_FP16_MAX, _FP16_MAX).astype("<f2")
-        _write_block(out, self.code, [], [half.tobytes()])
+        return [], [half.tobytes()]
 
 
 @dataclass(frozen=True)
-class BFloat16:
+class BFloat16(_ValueStage):
     """Values as bfloat16: the upper 16 bits of the float32, rounded to nearest even."""
 
     name: ClassVar[str] = "bf16"
     code: ClassVar[int] = 2
-    lossless: ClassVar[bool] = False
 
-    def encode(self, values: np.ndarray, rng: np.random.Generator, out: bytearray) -> None:
-        """Append the value block for float32 ``values`` to ``out``."""
+    def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
         bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
         half_ulp = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))  # round half to even
         rounded = ((bits + half_ulp) >> np.uint32(16)).astype("<u2")
         overflow = (rounded & np.uint16(0x7F80)) == np.uint16(0x7F80)  # rounded up to infinity
         rounded[overflow] = (rounded[overflow] & np.uint16(0x8000)) | np.uint16(0x7F7F)
-        _write_block(out, self.code, [], [rounded.tobytes()])
+        return [], [rounded.tobytes()]
 
 
 @dataclass(frozen=True)
-class BlockInt8:
+class BlockInt8(_ValueStage):
     """Blockwise int8: one float32 scale ``max|v|/127`` per ``block`` values, round to nearest.
 
     Parameters
@@ -145,20 +161,18 @@ class BlockInt8:
     block: int = 256
     name: ClassVar[str] = "int8"
     code: ClassVar[int] = 3
-    lossless: ClassVar[bool] = False
     _levels: ClassVar[int] = 127
 
     def __post_init__(self) -> None:
         _check_block(self.name, self.block)
 
-    def encode(self, values: np.ndarray, rng: np.random.Generator, out: bytearray) -> None:
-        """Append the value block for float32 ``values`` to ``out``."""
+    def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
         blocks = _blocked(values, self.block)
         peak, inverse = _peaks(blocks)
         inverse *= self._levels
         codes = np.rint(blocks * inverse[:, None]).astype(np.int8).reshape(-1)[: values.size]
         scales = (peak / np.float32(self._levels)).astype("<f4")
-        _write_block(out, self.code, [self.block], [scales.tobytes(), self._pack(codes)])
+        return [self.block], [scales.tobytes(), self._pack(codes)]
 
     @staticmethod
     def _pack(codes: np.ndarray) -> bytes:
@@ -186,7 +200,7 @@ class BlockInt4(BlockInt8):
 
 
 @dataclass(frozen=True)
-class QSGD:
+class QSGD(_ValueStage):
     """Stochastic uniform quantization with a max-norm scale per bucket (unbiased).
 
     Parameters
@@ -201,15 +215,13 @@ class QSGD:
     bucket: int = 512
     name: ClassVar[str] = "qsgd"
     code: ClassVar[int] = 5
-    lossless: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4, 8):
             raise CodecConfigError(f"qsgd: bits must be 1, 2, 4 or 8, got {self.bits}")
         _check_block(self.name, self.bucket)
 
-    def encode(self, values: np.ndarray, rng: np.random.Generator, out: bytearray) -> None:
-        """Append the value block for float32 ``values`` to ``out``; ``rng`` drives the rounding."""
+    def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
         top = np.float32((1 << self.bits) - 1)
         blocks = _blocked(values, self.bucket)
         peak, inverse = _peaks(blocks)
@@ -220,22 +232,20 @@ class QSGD:
         np.clip(np.floor(grid, out=grid), 0, top, out=grid)  # float rounding may step just outside
         codes = grid.astype(np.uint8).reshape(-1)[: values.size]
         scales = peak.astype("<f4").tobytes()
-        _write_block(out, self.code, [self.bits, self.bucket], [scales, pack_uint(codes, self.bits)])
+        return [self.bits, self.bucket], [scales, pack_uint(codes, self.bits)]
 
 
 @dataclass(frozen=True)
-class Sign:
+class Sign(_ValueStage):
     """Scaled sign: one bit per value and one magnitude, the mean of ``|v|``."""
 
     name: ClassVar[str] = "sign"
     code: ClassVar[int] = 6
-    lossless: ClassVar[bool] = False
 
-    def encode(self, values: np.ndarray, rng: np.random.Generator, out: bytearray) -> None:
-        """Append the value block for float32 ``values`` to ``out``."""
+    def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
         scale = np.float32(np.abs(values).mean(dtype=np.float64)) if values.size else np.float32(0)
         scale_bytes = np.array([scale], dtype="<f4").tobytes()
-        _write_block(out, self.code, [], [scale_bytes, np.packbits(values >= 0).tobytes()])
+        return [], [scale_bytes, np.packbits(values >= 0).tobytes()]
 
 
 ValueStage = Float32 | Float16 | BFloat16 | BlockInt8 | BlockInt4 | QSGD | Sign

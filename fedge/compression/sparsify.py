@@ -23,7 +23,7 @@ import numpy as np
 
 from fedge.compression.errors import CodecConfigError, NonFiniteValueError
 
-__all__ = ["RandomK", "Threshold", "TopK", "random_positions"]
+__all__ = ["RandomK", "Threshold", "TopK", "check_finite", "random_positions"]
 
 _CHUNK = 1 << 18  # elements per pass of the candidate scan: 1 MiB of float32 stays in cache
 _SAMPLE_HITS = 1000  # expected sampled entries above the threshold: ±3 % relative error on the count
@@ -67,7 +67,7 @@ class TopK:
         """Sorted positions of the top ``k`` entries of ``flat`` (float32, 1-D)."""
         k = _count(self.density, flat.size)
         if k == flat.size:
-            _check_finite(flat)
+            check_finite(flat)
             return np.arange(flat.size, dtype=np.int64)
         if self.mode == "exact":
             return _topk_exact(flat, k)
@@ -121,7 +121,8 @@ class Threshold:
         return _at_least(flat, np.float32(self.threshold))
 
 
-def _check_finite(values: np.ndarray) -> None:
+def check_finite(values: np.ndarray) -> None:
+    """Raise :class:`NonFiniteValueError` if ``values`` holds NaN or infinity."""
     if values.size and not np.isfinite(values).all():
         raise NonFiniteValueError("input holds NaN or infinity")
 
@@ -143,7 +144,7 @@ def _at_least(flat: np.ndarray, threshold: np.float32) -> np.ndarray:
 
 def _topk_exact(flat: np.ndarray, k: int) -> np.ndarray:
     magnitude = np.abs(flat)
-    _check_finite(magnitude)
+    check_finite(magnitude)
     positions = np.argpartition(magnitude, flat.size - k)[flat.size - k :]
     positions.sort()
     return positions.astype(np.int64, copy=False)
