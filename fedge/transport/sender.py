@@ -219,9 +219,6 @@ class OutgoingTransfer:
         """A PROBE frame if progress stalled; the interval doubles while probes go unanswered (up to 60 s)."""
         if self.finished or not self._unacked or now_s < self._next_probe_s:
             return None
-        # Chunks in flight are now old enough to be re-sent on the answer.
-        for index in self._unacked:
-            self._unacked[index] = min(self._unacked[index], now_s - self._ack_timeout_s)
         self._probe_interval_s = min(2 * self._probe_interval_s, 60.0)
         self._next_probe_s = now_s + self._probe_interval_s
         return encode_probe(self.transfer_id, self.total)

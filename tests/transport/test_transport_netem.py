@@ -53,7 +53,7 @@ def _answer_or_cut(read: Callable[[], bytes]) -> bytes:
 def test_latency_applies_each_way(echo_port: int) -> None:
     with LossyLinkProxy("127.0.0.1", echo_port, LinkProfile(latency_ms=60)) as proxy:
         got, elapsed = _round_trip(proxy.port, b"ping")
-    assert got == b"ping" and 0.12 <= elapsed < 0.5
+    assert got == b"ping" and 0.12 <= elapsed < 2.0
 
 
 def test_rate_cap_paces_bulk_data(echo_port: int) -> None:

@@ -105,7 +105,7 @@ def test_will_marks_a_vanished_node_offline_only_after_the_delay(
     make_config: Callable[..., MqttConfig],
     protocol: str,
 ) -> None:
-    coordinator_config = replace(make_config(mosquitto.url, protocol), will_delay_s=1)
+    coordinator_config = replace(make_config(mosquitto.url, protocol), will_delay_s=2)
     changes: list[tuple[str, bool, float]] = []
     with (
         LossyLinkProxy("127.0.0.1", mosquitto.port, LinkProfile()) as proxy,
@@ -121,13 +121,13 @@ def test_will_marks_a_vanished_node_offline_only_after_the_delay(
         time.sleep(0.3)
         proxy.set_down(False)
         _wait_for(lambda: node.epoch > first_epoch and node.channel.connection.connected)
-        time.sleep(1.5)
+        time.sleep(2.5)
         assert [up for _, up, _ in changes] == [True]
         # A long outage: offline once the delay has passed, online again when it returns.
         proxy.set_down(True)
         down_at = time.monotonic()
-        _wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=5)
-        assert changes[-1][2] - down_at >= 0.9
+        _wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=8)
+        assert changes[-1][2] - down_at >= 1.9
         proxy.set_down(False)
         _wait_for(lambda: coordinator.online_nodes() == {"n1"}, timeout_s=5)
         assert [up for _, up, _ in changes] == [True, False, True]
