@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from flower_processes import copy_app, flower_env, processes_mentioning, stop_tree
+from flower_processes import copy_app, flower_env, processes_mentioning, stop_trees
 
 
 @pytest.fixture
@@ -36,6 +36,5 @@ def cleanup(flwr_home: Path) -> Iterator[Callable[[psutil.Process], None]]:
     """
     roots: list[psutil.Process] = []
     yield roots.append
-    roots += processes_mentioning(str(flwr_home))
-    survivors = [p for root in reversed(roots) for p in stop_tree(root)]
+    survivors = stop_trees(roots + processes_mentioning(str(flwr_home)))
     assert not survivors, f"processes survived the test: {[(p.pid, p.name()) for p in survivors]}"

@@ -43,6 +43,8 @@ def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
         FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
         HF_DATASETS_OFFLINE="1",
         HF_HUB_OFFLINE="1",
+        # SuperExec looks for new work every second by default; rounds are short here.
+        FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.2",
         # Flower starts flower-superexec, flwr-serverapp, flwr-clientapp and flwr-simulation by name.
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
         **extra,
@@ -97,18 +99,18 @@ def processes_mentioning(text: str) -> list[psutil.Process]:
     return found
 
 
-def stop_tree(root: psutil.Process, timeout_s: float = 15.0) -> list[psutil.Process]:
-    """Stop ``root`` gracefully, then whatever it started (Flower detaches some of them); return survivors.
+def stop_trees(roots: list[psutil.Process], timeout_s: float = 15.0) -> list[psutil.Process]:
+    """Stop ``roots`` gracefully, then whatever they started (Flower detaches some); return the survivors.
 
-    Descendants are collected before the root goes, because once it is gone they are re-parented to init and
-    can no longer be found from it.
+    Descendants are collected before their root goes: once it is gone they are re-parented to init and can
+    no longer be found from it.
     """
-    try:
-        tree = [root, *root.children(recursive=True)]
-        root.terminate()
-    except psutil.NoSuchProcess:
-        return []
-    _, alive = psutil.wait_procs([root], timeout=timeout_s)
+    tree: list[psutil.Process] = []
+    for root in roots:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree += [root, *root.children(recursive=True)]
+            root.terminate()
+    psutil.wait_procs([p for p in roots if _alive(p)], timeout=timeout_s)
     remaining = [p for p in tree if _alive(p)]
     for process in remaining:
         _signal(process, psutil.Process.terminate)
