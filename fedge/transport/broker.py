@@ -8,7 +8,6 @@ on), and can be stopped and started again on the same port and persistence direc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -20,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from fedge.transport.background import BackgroundLoop
 
 __all__ = ["EmbeddedBroker", "MosquittoBroker", "free_port", "wait_for_port"]
 
@@ -188,9 +189,7 @@ class EmbeddedBroker:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self.port = port or free_port(host)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._broker: Any = None
-        self._thread: threading.Thread | None = None
+        self._background = BackgroundLoop("fedge-amqtt")
 
     @property
     def url(self) -> str:
@@ -204,65 +203,30 @@ class EmbeddedBroker:
             "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
         }
 
-    async def serve(self, stop: asyncio.Event | None = None) -> None:
+    async def serve(self, stop: asyncio.Event | None = None, ready: threading.Event | None = None) -> None:
         """Run the broker on the current event loop until ``stop`` is set (forever if None)."""
         from amqtt.broker import Broker  # optional dependency: fedge[broker]
 
         for name in ("amqtt.broker", "amqtt.mqtt.protocol.broker_handler"):
             logging.getLogger(name).addFilter(_QuietProtocolRefusals())
-        self._broker = Broker(self.config())
-        await self._broker.start()
+        broker = Broker(self.config())
+        await broker.start()
+        if ready is not None:
+            ready.set()
         try:
             await (stop or asyncio.Event()).wait()
         finally:
-            await self._broker.shutdown()
+            await broker.shutdown()
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedBroker:
         """Start in a daemon thread and wait until the port accepts connections."""
-        ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._stop_event: asyncio.Event | None = None
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            assert self._loop is not None
-            asyncio.set_event_loop(self._loop)
-
-            async def main() -> None:
-                self._stop_event = asyncio.Event()
-                ready.set()
-                await self.serve(self._stop_event)
-
-            try:
-                self._loop.run_until_complete(main())
-            except BaseException as err:  # reported by start()
-                errors.append(err)
-                ready.set()
-            # amqtt leaves tasks (e.g. its session monitor) cancelled but not awaited.
-            pending = asyncio.all_tasks(self._loop)
-            for task in pending:
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-
-        self._thread = threading.Thread(target=run, name="fedge-amqtt", daemon=True)
-        self._thread.start()
-        ready.wait(timeout_s)
-        try:
-            wait_for_port(self.host, self.port, timeout_s)
-        except TimeoutError:
-            raise RuntimeError(f"embedded broker did not start on port {self.port}: {errors[:1]}") from None
+        self._background.start(self.serve, timeout_s)
+        wait_for_port(self.host, self.port, timeout_s)
         return self
 
     def stop(self) -> None:
         """Shut the broker down and end its thread."""
-        if self._loop is None or self._thread is None:
-            return
-        if self._stop_event is not None:
-            self._loop.call_soon_threadsafe(self._stop_event.set)
-        self._thread.join(timeout=10)
-        with contextlib.suppress(RuntimeError):
-            self._loop.close()
-        self._loop = self._thread = None
+        self._background.stop()
 
     def __enter__(self) -> EmbeddedBroker:
         return self.start()

@@ -21,6 +21,8 @@ import struct
 import threading
 from dataclasses import dataclass, replace
 
+from fedge.transport.background import BackgroundLoop
+
 __all__ = ["LinkProfile", "LossyLinkProxy", "ProxyStats"]
 
 logger = logging.getLogger(__name__)
@@ -145,9 +147,7 @@ class LossyLinkProxy:
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[object]] = set()
         self._down = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._background = BackgroundLoop("fedge-netem")
 
     @property
     def profile(self) -> LinkProfile:
@@ -166,9 +166,9 @@ class LossyLinkProxy:
 
     def reset_connections(self) -> int:
         """Abort every open connection now (thread-safe); return how many were open."""
-        if self._loop is None or threading.current_thread() is self._thread:
+        if self._background.in_loop_thread():
             return self._reset_all()
-        return asyncio.run_coroutine_threadsafe(self._async_reset(), self._loop).result(5)
+        return self._background.run(self._async_reset())
 
     def set_down(self, down: bool) -> None:
         """Take the link down (reset open connections, refuse new ones) or bring it back up."""
@@ -179,14 +179,13 @@ class LossyLinkProxy:
     # --------------------------------------------------------------------------------------------- running
     async def serve(self, stop: asyncio.Event | None = None, ready: threading.Event | None = None) -> None:
         """Run on the current event loop until ``stop`` is set (forever if None)."""
-        self._stop = stop or asyncio.Event()
         server = await asyncio.start_server(self._accept, self.listen_host, self.port)
         self.port = server.sockets[0].getsockname()[1]
         resets = asyncio.create_task(self._reset_loop())
         if ready is not None:
             ready.set()
         try:
-            await self._stop.wait()
+            await (stop or asyncio.Event()).wait()
         finally:
             resets.cancel()
             server.close()
@@ -196,28 +195,12 @@ class LossyLinkProxy:
 
     def start(self, timeout_s: float = 10.0) -> LossyLinkProxy:
         """Run in a daemon thread; return once listening."""
-        ready = threading.Event()
-        self._loop = asyncio.new_event_loop()
-
-        def run() -> None:
-            assert self._loop is not None
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self.serve(asyncio.Event(), ready))
-
-        self._thread = threading.Thread(target=run, name="fedge-netem", daemon=True)
-        self._thread.start()
-        if not ready.wait(timeout_s):
-            raise RuntimeError("lossy-link proxy did not start")
+        self._background.start(self.serve, timeout_s)
         return self
 
     def stop(self) -> None:
         """Stop the background proxy and close every connection."""
-        if self._loop is None or self._thread is None or self._stop is None:
-            return
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=10)
-        self._loop.close()
-        self._loop = self._thread = None
+        self._background.stop()
 
     def __enter__(self) -> LossyLinkProxy:
         return self.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import struct
+import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -105,3 +106,17 @@ def fuzz_frames(seed: int, count: int, chunk_size: int = 1024) -> list[tuple[str
 def hostile_frames() -> Callable[[int, int], list[tuple[str, bytes]]]:
     """:func:`fuzz_frames` as a fixture."""
     return fuzz_frames
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., None]:
+    """``wait_for(condition, timeout_s=10)``: poll until ``condition()`` holds; fail after the timeout."""
+    return _wait_for

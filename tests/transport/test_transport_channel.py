@@ -30,14 +30,6 @@ from fedge.transport.topics import ack_topic
 KiB = 1024
 
 
-def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize(
     ("broker_name", "protocol", "spoken"),
     [("mosquitto", "5", "5"), ("mosquitto", "3.1.1", "3.1.1"), ("amqtt_broker", "auto", "3.1.1")],
@@ -106,6 +98,7 @@ def test_chunks_stay_below_the_brokers_maximum_packet_size(
 def test_broker_restart_mid_transfer_completes_and_delivers_once(
     own_mosquitto: Callable[..., MosquittoBroker],
     make_config: Callable[..., MqttConfig],
+    wait_for: Callable[..., None],
 ) -> None:
     broker = own_mosquitto()
     payload = os.urandom(3 * 1024 * KiB)
@@ -115,7 +108,7 @@ def test_broker_restart_mid_transfer_completes_and_delivers_once(
         coordinator_config = replace(node_config, broker_url=proxy.url)
         with NodeEndpoint(node_config, "n1") as node, CoordinatorEndpoint(coordinator_config) as coordinator:
             handle = coordinator.send("n1", payload, message_id="model-1")
-            _wait_for(lambda: node.channel.receiver_stats.chunks >= 8)
+            wait_for(lambda: node.channel.receiver_stats.chunks >= 8)
             broker.restart()  # SIGTERM saves sessions and queued messages; same port and directory
             assert node.channel.receiver_stats.delivered == 0
             assert handle.wait(30)
@@ -129,6 +122,7 @@ def test_broker_restart_mid_transfer_completes_and_delivers_once(
 def test_resume_after_reconnect_resends_only_the_missing_chunks(
     own_mosquitto: Callable[..., MosquittoBroker],
     make_config: Callable[..., MqttConfig],
+    wait_for: Callable[..., None],
 ) -> None:
     broker = own_mosquitto()
     payload = os.urandom(64 * 16 * KiB)
@@ -147,7 +141,7 @@ def test_resume_after_reconnect_resends_only_the_missing_chunks(
         )
         with CoordinatorEndpoint(coordinator_config) as coordinator, NodeEndpoint(node_config, "n1") as node:
             handle = coordinator.send("n1", payload)
-            _wait_for(lambda: node.channel.receiver_stats.chunks >= 10)
+            wait_for(lambda: node.channel.receiver_stats.chunks >= 10)
             proxy.set_down(True)
             time.sleep(2.5)
             proxy.set_down(False)
@@ -182,18 +176,19 @@ def test_an_expired_request_dies_before_delivery(
 def test_partial_transfer_expires_on_the_receiver(
     mosquitto: MosquittoBroker,
     make_config: Callable[..., MqttConfig],
+    wait_for: Callable[..., None],
 ) -> None:
     node_config = make_config(mosquitto.url, chunk_size=16 * KiB, window=8, clock_skew_s=0.0)
     with LossyLinkProxy("127.0.0.1", mosquitto.port, LinkProfile(rate_bytes_per_s=500e3)) as proxy:
         coordinator_config = replace(node_config, broker_url=proxy.url)
         with NodeEndpoint(node_config, "n1") as node, CoordinatorEndpoint(coordinator_config) as coordinator:
             handle = coordinator.send("n1", os.urandom(1024 * KiB), expiry_s=1.5)
-            _wait_for(lambda: node.channel.receiver_stats.chunks >= 4)
+            wait_for(lambda: node.channel.receiver_stats.chunks >= 4)
             proxy.set_down(True)
             assert node.channel._reassembler.buffered_bytes == 1024 * KiB
             with pytest.raises(TransferError, match="expired"):
                 handle.wait(5)
-            _wait_for(lambda: node.channel.receiver_stats.expired_transfers == 1, timeout_s=5)
+            wait_for(lambda: node.channel.receiver_stats.expired_transfers == 1, timeout_s=5)
             assert node.channel._reassembler.buffered_bytes == 0 and node.receive(0.1) is None
 
 
@@ -201,6 +196,7 @@ def test_fuzzed_frames_through_the_broker_are_dropped_and_counted(
     mosquitto: MosquittoBroker,
     make_config: Callable[..., MqttConfig],
     hostile_frames: Callable[[int, int], list[tuple[str, bytes]]],
+    wait_for: Callable[..., None],
 ) -> None:
     config = make_config(mosquitto.url)
     frames = hostile_frames(2, 900)
@@ -217,8 +213,8 @@ def test_fuzzed_frames_through_the_broker_are_dropped_and_counted(
         attacker.disconnect()
         attacker.loop_stop()
         received, sent = node.channel.receiver_stats, coordinator.channel
-        _wait_for(lambda: sum(received.dropped.values()) == 900)
-        _wait_for(lambda: sum(sent.ack_drops.values()) + sent.sender_stats.unknown_acks == 100)
+        wait_for(lambda: sum(received.dropped.values()) == 900)
+        wait_for(lambda: sum(sent.ack_drops.values()) + sent.sender_stats.unknown_acks == 100)
         assert dict(received.dropped) == dict(Counter(reason for reason, _ in frames))
         assert sent.sender_stats.unknown_acks == sum(
             reason == "kind" for reason, _ in acks

@@ -25,14 +25,6 @@ from fedge.transport.presence import EpochClock, PresenceTracker
 ONLINE, LOST, LEFT = PresenceStatus.ONLINE, PresenceStatus.LOST, PresenceStatus.LEFT
 
 
-def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-
-
 # ------------------------------------------------------------------------------------------------ tracker
 def test_a_stale_will_is_ignored() -> None:
     tracker = PresenceTracker()
@@ -75,6 +67,7 @@ def test_stale_will_does_not_mark_a_reconnected_node_offline(
     mosquitto: MosquittoBroker,
     make_config: Callable[..., MqttConfig],
     protocol: str,
+    wait_for: Callable[..., None],
 ) -> None:
     config = make_config(mosquitto.url, protocol)
     changes: list[tuple[str, bool]] = []
@@ -88,15 +81,15 @@ def test_stale_will_does_not_mark_a_reconnected_node_offline(
         CoordinatorEndpoint(config, on_presence=lambda n, up: changes.append((n, up))) as coordinator,
         NodeEndpoint(config, "n1"),
     ):
-        _wait_for(lambda: coordinator.online_nodes() == {"n1"})
+        wait_for(lambda: coordinator.online_nodes() == {"n1"})
         old.loop_stop()
         old.socket().close()  # dies without DISCONNECT: the broker publishes the stale will
-        _wait_for(lambda: coordinator._tracker.stale_frames >= 1)
+        wait_for(lambda: coordinator._tracker.stale_frames >= 1)
         time.sleep(0.3)
         assert coordinator.online_nodes() == {"n1"} and changes == [("n1", True)]
         # The node put its retained status back, so a coordinator that starts now sees it online too.
         with CoordinatorEndpoint(replace(config, client_id="late-coordinator")) as late:
-            _wait_for(lambda: late.online_nodes() == {"n1"}, timeout_s=5)
+            wait_for(lambda: late.online_nodes() == {"n1"}, timeout_s=5)
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
@@ -104,6 +97,7 @@ def test_will_marks_a_vanished_node_offline_only_after_the_delay(
     mosquitto: MosquittoBroker,
     make_config: Callable[..., MqttConfig],
     protocol: str,
+    wait_for: Callable[..., None],
 ) -> None:
     coordinator_config = replace(make_config(mosquitto.url, protocol), will_delay_s=2)
     changes: list[tuple[str, bool, float]] = []
@@ -114,22 +108,22 @@ def test_will_marks_a_vanished_node_offline_only_after_the_delay(
         ) as coordinator,
         NodeEndpoint(replace(coordinator_config, broker_url=proxy.url, reconnect_max_s=0.2), "n1") as node,
     ):
-        _wait_for(lambda: coordinator.online_nodes() == {"n1"})
+        wait_for(lambda: coordinator.online_nodes() == {"n1"})
         first_epoch = node.epoch
         # A short outage, shorter than the will delay: nobody notices.
         proxy.set_down(True)
         time.sleep(0.3)
         proxy.set_down(False)
-        _wait_for(lambda: node.epoch > first_epoch and node.channel.connection.connected)
+        wait_for(lambda: node.epoch > first_epoch and node.channel.connection.connected)
         time.sleep(2.5)
         assert [up for _, up, _ in changes] == [True]
         # A long outage: offline once the delay has passed, online again when it returns.
         proxy.set_down(True)
         down_at = time.monotonic()
-        _wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=8)
+        wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=8)
         assert changes[-1][2] - down_at >= 1.9
         proxy.set_down(False)
-        _wait_for(lambda: coordinator.online_nodes() == {"n1"}, timeout_s=5)
+        wait_for(lambda: coordinator.online_nodes() == {"n1"}, timeout_s=5)
         assert [up for _, up, _ in changes] == [True, False, True]
         node.close()  # leaving on purpose: LEFT, reported without waiting for a delay
-        _wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=1)
+        wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=1)
