@@ -147,7 +147,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     n = 4_000_000 if args.quick else 25_000_000
     side = int(np.sqrt(n))
-    repeats, headline_repeats = (2, 5) if args.quick else (2, 7)
+    repeats, headline_repeats = (2, 5) if args.quick else (2, 9)
     os.environ.setdefault("COLUMNS", "160")  # the table is wide; rich falls back to 80 columns off a TTY
     x = np.random.default_rng(0).standard_t(3, n).astype(np.float32)
     synthetic = {"w": x.reshape(side, n // side)}
