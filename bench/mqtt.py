@@ -102,39 +102,47 @@ def _run_publisher(target: object, url: str, size: int, done: threading.Event) -
     return {"wall_s": wall, "publisher_cpu_s": cpu_s, "delivered": delivered}
 
 
-def _loopback(size: int) -> dict[str, dict[str, float]]:
+def _loopback(size: int, repeats: int) -> dict[str, dict[str, object]]:
+    """Alternate raw and channel runs ``repeats`` times; report the median of each (the machine is shared)."""
     import paho.mqtt.client as paho
     from paho.mqtt.enums import CallbackAPIVersion
 
-    results = {}
+    runs: dict[str, list[dict[str, float]]] = {"raw": [], "channel": []}
+    done = {name: threading.Event() for name in runs}
+    received = [0]
+
+    def on_raw(_c: object, _u: object, message: paho.MQTTMessage) -> None:
+        received[0] += len(message.payload)
+        if received[0] >= size:
+            done["raw"].set()
+
     with MosquittoBroker() as broker:
-        # Raw baseline: a plain paho subscriber counts bytes.
-        received, raw_done = [0], threading.Event()
-
-        def on_message(_c: object, _u: object, message: paho.MQTTMessage) -> None:
-            received[0] += len(message.payload)
-            if received[0] >= size:
-                raw_done.set()
-
+        # Raw baseline: a plain paho subscriber counts bytes; the channel's receiver is a node endpoint.
         subscriber = paho.Client(CallbackAPIVersion.VERSION2, client_id="bench-raw-sub", protocol=paho.MQTTv5)
-        subscriber.on_message = on_message
-        subscriber.on_socket_open = _no_delay
+        subscriber.on_message, subscriber.on_socket_open = on_raw, _no_delay
         subscriber.connect("127.0.0.1", broker.port)
         subscriber.subscribe("bench/raw", qos=1)
         subscriber.loop_start()
-        time.sleep(0.3)
-        results["raw"] = _run_publisher(_publish_raw, broker.url, size, raw_done)
+        node_config = MqttConfig(broker_url=broker.url, fleet=FLEET)
+        with NodeEndpoint(node_config, "n1", on_message=lambda _: done["channel"].set()):
+            time.sleep(0.3)
+            for _ in range(repeats):
+                for name, publisher in (("raw", _publish_raw), ("channel", _publish_channel)):
+                    received[0], done[name] = 0, threading.Event()
+                    runs[name].append(_run_publisher(publisher, broker.url, size, done[name]))
         subscriber.disconnect()
         subscriber.loop_stop()
-
-        channel_done = threading.Event()
-        with NodeEndpoint(
-            MqttConfig(broker_url=broker.url, fleet=FLEET), "n1", on_message=lambda d: channel_done.set()
-        ):
-            results["channel"] = _run_publisher(_publish_channel, broker.url, size, channel_done)
-    for result in results.values():
-        result["mb_per_s"] = size / MB / result["wall_s"]
-    return results
+    summary: dict[str, dict[str, object]] = {}
+    for name, results in runs.items():
+        wall = statistics.median(r["wall_s"] for r in results)
+        cpu = statistics.median(r["publisher_cpu_s"] for r in results)
+        summary[name] = {
+            "wall_s": wall,
+            "publisher_cpu_s": cpu,
+            "mb_per_s": size / MB / wall,
+            "runs": results,
+        }
+    return summary
 
 
 def _flaky(size: int, runs: int) -> dict[str, object]:
@@ -186,7 +194,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     logging.basicConfig(level=logging.WARNING)
     loop_size, flaky_size, flaky_runs = (20 * MB, 12 * MB, 2) if args.quick else (100 * MB, 60 * MB, 10)
-    loopback = _loopback(loop_size)
+    loopback = _loopback(loop_size, repeats=3)
     flaky = _flaky(flaky_size, flaky_runs)
     raw, channel = loopback["raw"], loopback["channel"]
     rows = [

@@ -99,7 +99,7 @@ class ReliableChannel:
         self.connection.route(ack_filter, self._handle_ack)
 
     def add_timer(self, callback: Callable[[float], None]) -> None:
-        """Call ``callback(now_s)`` from the pump thread about every 0.25 s."""
+        """Call ``callback(now_s)`` from the pump thread about once a second (without the channel's lock)."""
         self._timers.append(callback)
 
     def start(self) -> None:
@@ -183,9 +183,15 @@ class ReliableChannel:
                 now = time.time()
                 chunks, probes = self._collect(now)
                 reports = self._due_reports(now)
-                if not (chunks or probes or reports):
+                tick = now >= self._next_expire
+                if tick:
+                    self._next_expire = now + _EXPIRE_EVERY_S
+                    self._reassembler.expire(now)
+                elif not (chunks or probes or reports):
                     self._cond.wait(_TICK_S)
                     continue
+            for timer in self._timers if tick else ():
+                timer(now)
             self._publish_chunks(chunks, now)
             for topic, frame in probes:
                 self.connection.publish(topic, frame, qos=0)
@@ -193,7 +199,7 @@ class ReliableChannel:
                 self.connection.publish(ack_topic(topic), encode_ack(ack))
 
     def _collect(self, now: float) -> tuple[list[tuple[OutgoingTransfer, int]], list[tuple[str, bytes]]]:
-        """Under the lock: chunks whose window opened and probes due; expire transfers; run timers."""
+        """Under the lock: chunks whose window opened and probes due; fail transfers past their deadline."""
         chunks: list[tuple[OutgoingTransfer, int]] = []
         probes: list[tuple[str, bytes]] = []
         for transfer in list(self._transfers.values()):
@@ -208,11 +214,6 @@ class ReliableChannel:
             if probe is not None:
                 self.sender_stats.probes += 1
                 probes.append((transfer.topic, probe))
-        if now >= self._next_expire:
-            self._next_expire = now + _EXPIRE_EVERY_S
-            self._reassembler.expire(now)
-            for timer in self._timers:
-                timer(now)
         return chunks, probes
 
     def _due_reports(self, now: float) -> list[tuple[str, AckFrame]]:
