@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Generate MQTT credentials for a fedge fleet: one random password per node plus the coordinator.
+# Generate the secrets of a fedge fleet: an MQTT password per node and for the coordinator, and a signing key
+# per node.
 #
 #   deploy/make-passwords.sh [-d DIR] [-o OWNER] [-b BROKER_OWNER] (-n COUNT | NODE_ID...)
 #
@@ -11,11 +12,14 @@
 #   NODE_ID...       explicit node ids: 1-64 letters, digits, '_', '.' or '-' (no ':', which ends the
 #                    user name in Mosquitto's password file)
 #
-# Writes, all mode 0600, in a 0700 directory:
+# Writes, all mode 0600, in 0700 directories:
 #   DIR/mosquitto/passwd               hashed (PBKDF2-SHA512) for Mosquitto's password_file
-#   DIR/credentials/<user>.password    the plain password of one client, for its fedge config's password_file
+#   DIR/credentials/<user>.password    the plain password of one client, for [mqtt] password_file
+#   DIR/node-keys/<node>.key           the node's HMAC key: the agent's signing_key_file, and the coordinator's
+#                                      node_keys_dir holds them all (replies must then be signed)
 # The MQTT username of a node is its node id (the broker ACL isolates nodes by username); the coordinator's
-# is "coordinator". Re-running replaces every password. No password appears on a command line.
+# is "coordinator". Re-running replaces every secret, and the password file then holds exactly the users of
+# that run. No secret appears on a command line.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" >&2; exit 2; }
@@ -58,9 +62,16 @@ random_password() {
     head -c 32 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n'
 }
 
+random_key() {
+    # 32 random bytes as 64 hex digits; fedge uses the line's bytes as the HMAC-SHA256 key.
+    od -An -tx1 -N32 /dev/urandom | tr -d ' \n'
+}
+
 umask 077
-mkdir -p "$out_dir/mosquitto" "$out_dir/credentials"
-chmod 700 "$out_dir" "$out_dir/mosquitto" "$out_dir/credentials"
+mkdir -p "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys"
+chmod 700 "$out_dir" "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys"
+# Secrets of nodes left out of this run must not linger (the coordinator trusts every key in node-keys/).
+rm -f "$out_dir"/credentials/*.password "$out_dir"/node-keys/*.key
 
 plain="$(mktemp "$out_dir/mosquitto/.passwd.XXXXXX")"
 trap 'rm -f "$plain"' EXIT
@@ -69,15 +80,19 @@ for user in coordinator "${nodes[@]}"; do
     printf '%s\n' "$password" > "$out_dir/credentials/$user.password"
     printf '%s:%s\n' "$user" "$password" >> "$plain"
 done
+for node in "${nodes[@]}"; do
+    printf '%s\n' "$(random_key)" > "$out_dir/node-keys/$node.key"
+done
 # -U hashes a plain "user:password" file in place, so passwords never reach a command line.
 mosquitto_passwd -U "$plain"
 mv -f "$plain" "$out_dir/mosquitto/passwd"
 trap - EXIT
 
 if [[ -n "$owner" ]]; then
-    chown "$owner" "$out_dir/credentials" "$out_dir"/credentials/*.password
+    chown "$owner" "$out_dir/credentials" "$out_dir"/credentials/*.password "$out_dir/node-keys" \
+        "$out_dir"/node-keys/*.key
 fi
 if [[ -n "$broker_owner" ]]; then
     chown "$broker_owner" "$out_dir/mosquitto" "$out_dir/mosquitto/passwd"
 fi
-echo "wrote $out_dir/mosquitto/passwd and $((${#nodes[@]} + 1)) files in $out_dir/credentials (coordinator, ${nodes[*]})"
+echo "wrote $out_dir/mosquitto/passwd, credentials and node keys for coordinator, ${nodes[*]}"

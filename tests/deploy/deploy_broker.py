@@ -12,7 +12,6 @@ import getpass
 import os
 import queue
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -23,17 +22,12 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.reasoncodes import ReasonCode
 
+from fedge.transport.broker import free_port, wait_for_port
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MOSQUITTO = "/usr/sbin/mosquitto"
 NODES = ("node-a", "node-b")
 TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -123,21 +117,13 @@ def start_broker(workdir: Path, secrets: Secrets, *, edits: dict[str, str] | Non
     with log.open("wb") as out:
         process = subprocess.Popen([MOSQUITTO, "-c", str(config)], stdout=out, stderr=subprocess.STDOUT)
     broker = Broker(plain_port, tls_port, log, process)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not all(_accepts(port) for port in (plain_port, tls_port)):
-        if process.poll() is not None or time.monotonic() > deadline:
-            broker.stop()
-            pytest.fail(f"mosquitto did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.02)
-    return broker
-
-
-def _accepts(port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+        for port in (plain_port, tls_port):
+            wait_for_port("127.0.0.1", port, TIMEOUT_S)
+    except TimeoutError:
+        broker.stop()
+        pytest.fail(f"mosquitto did not start: {log.read_text()[-2000:]}")
+    return broker
 
 
 class Probe:
