@@ -1,0 +1,57 @@
+"""fedge's own MQTT endpoints work through the shipped broker configuration: TLS, passwords and the ACL.
+
+The security tests show what the ACL forbids; this shows it forbids nothing fedge needs. A message in chunks
+each way exercises every topic of the tree: inbox and its acknowledgements, outbox and its acknowledgements,
+and presence (retained, with a will).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from deploy_broker import NODES
+
+from fedge.transport.config import MqttConfig, TransferSettings
+from fedge.transport.endpoints import CoordinatorEndpoint, NodeEndpoint
+
+NODE_A, NODE_B = NODES
+FLEET = "deploy-test"
+
+
+def _config(broker, secrets, user: str) -> MqttConfig:
+    return MqttConfig(
+        broker_url=f"mqtts://127.0.0.1:{broker.tls_port}",
+        fleet=FLEET,
+        username=user,
+        password=secrets.password(user),
+        ca_file=str(secrets.tls / "ca.crt"),
+        transfer=TransferSettings(chunk_size=64 * 1024, window=4, ack_every=2),
+    )
+
+
+def _wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_coordinator_and_node_exchange_chunked_messages_over_tls(broker, secrets):
+    instruction, reply = os.urandom(300_000), os.urandom(200_000)  # five and four chunks
+    with (
+        CoordinatorEndpoint(_config(broker, secrets, "coordinator")) as coordinator,
+        NodeEndpoint(_config(broker, secrets, NODE_A), NODE_A) as node_a,
+        NodeEndpoint(_config(broker, secrets, NODE_B), NODE_B) as node_b,
+    ):
+        assert _wait_until(lambda: coordinator.online_nodes() == {NODE_A, NODE_B}), coordinator.online_nodes()
+
+        coordinator.send(NODE_A, instruction, message_id="round-1").wait(30)
+        delivered = node_a.receive(timeout=30)
+        assert delivered is not None and bytes(delivered.payload) == instruction
+        node_a.send(reply, message_id="round-1").wait(30)
+        answer = coordinator.receive(timeout=30)
+        assert answer is not None and (answer.node_id, bytes(answer.payload)) == (NODE_A, reply)
+        assert node_b.receive(timeout=0.2) is None
