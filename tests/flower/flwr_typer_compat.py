@@ -31,7 +31,7 @@ def _teach_typer_literals() -> None:
     typer.main.get_click_type = get_click_type
 
 
-def _typer_knows_literals() -> bool:
+def typer_knows_literals() -> bool:
     try:
         typer.main.get_click_type(annotation=typing.Literal["a"], parameter_info=typer.models.OptionInfo())
     except RuntimeError:
@@ -40,7 +40,7 @@ def _typer_knows_literals() -> bool:
 
 
 if __name__ == "__main__":
-    if not _typer_knows_literals():
+    if not typer_knows_literals():
         _teach_typer_literals()
     from flwr.cli.app import app
 
