@@ -13,10 +13,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedge.app.task import Task, TensorData, TrainConfig, load_task
+from fedge.client.compression_mod import CompressionMod
 
 __all__ = ["app", "local_seed"]
 
-app = ClientApp()
+# The mod compresses replies only when the coordinator's train message asks for it; otherwise it is inert.
+app = ClientApp(mods=[CompressionMod()])
 
 
 @app.train()

@@ -139,6 +139,7 @@ def run_federated(
                     bytes_down=traffic.bytes_down,
                     bytes_up=traffic.bytes_up,
                     wall_s=time.perf_counter() - round_started,
+                    extra=_strategy_round_metrics(strategy, server_round),
                 )
             )
             if on_round_end is not None:
@@ -158,6 +159,12 @@ def run_federated(
     if config.out_dir:
         write_outputs(history, Path(config.out_dir))
     return history
+
+
+def _strategy_round_metrics(strategy: Strategy, server_round: int) -> dict[str, float]:
+    """Per-round figures a compressing strategy reports (bytes, compression ratio, rejected replies)."""
+    round_metrics = getattr(strategy, "round_metrics", None)
+    return dict(round_metrics(server_round)) if callable(round_metrics) else {}
 
 
 def write_outputs(history: RunHistory, out_dir: Path) -> None:

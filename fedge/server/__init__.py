@@ -1,1 +1,20 @@
 """Coordinator side: strategies, aggregation, checkpoints, the coordinator service."""
+
+from fedge.server.channel import CompressedChannel, CompressionConfig, RoundReport
+from fedge.server.decoding import DecodingStrategy
+from fedge.server.downlink import DownlinkConfig, ModelBroadcast
+from fedge.server.optimizers import ServerOptimizer
+from fedge.server.screening import ReplyScreen
+from fedge.server.streaming import StreamingFedAvg
+
+__all__ = [
+    "CompressedChannel",
+    "CompressionConfig",
+    "DecodingStrategy",
+    "DownlinkConfig",
+    "ModelBroadcast",
+    "ReplyScreen",
+    "RoundReport",
+    "ServerOptimizer",
+    "StreamingFedAvg",
+]

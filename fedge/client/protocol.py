@@ -1,0 +1,219 @@
+"""The compressed-training protocol: what coordinator and client put in Flower messages, and the pure
+functions both sides must compute bit for bit alike.
+
+A train instruction carries, besides the task's own ``config`` ConfigRecord, one ConfigRecord named
+:data:`INSTRUCTION_KEY`:
+
+=============  ======  ===================================================================================
+field          type    meaning
+=============  ======  ===================================================================================
+codec          str     uplink codec spec (``fedge.compression.build_codec``)
+ef-momentum    float   DGC momentum of the client's error feedback (0 disables it)
+version        int     version of the model this instruction carries (the server round that made it)
+arrays-key     str     name under which the client app expects the model's ArrayRecord
+grid           str     ``"fp16"`` or ``"fp32"``: the grid the shared reference model is rounded to
+base           int     only with ``model``: the version the delta applies to, :data:`FULL` for a full model,
+                       :data:`APPROXIMATE` for a lossy full model (no delta will apply to it)
+model          bytes   only for compressed downloads: a codec payload, delta or full model
+dtypes         [str]   only with a full model, and only if some tensor is not float32: ``"name=dtype"``
+=============  ======  ===================================================================================
+
+Without ``model`` the instruction also holds the model as a dense ArrayRecord, as Flower sends it.
+A train reply carries the task's MetricRecord and one ConfigRecord named :data:`UPDATE_KEY` with
+``payload`` (the encoded update, new weights minus the received model plus the error-feedback residual)
+and ``base`` (the version it was trained from).
+
+Compressed downloads keep one *reference* model ``M`` per run that every up-to-date client holds too:
+``M_v = grid(M_{v-1} + decode(delta_v))``. :func:`advance_reference` is that step; coordinator and
+client run the same numpy operations on the same bytes, so their copies stay identical. Rounding the
+reference to the fp16 grid makes a full fp16 download of it exact, so a client that missed rounds
+rejoins the delta stream without drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from fedge.compression.wire import decode, decode_add
+
+__all__ = [
+    "APPROXIMATE",
+    "FULL",
+    "GRIDS",
+    "INSTRUCTION_KEY",
+    "UPDATE_KEY",
+    "Instruction",
+    "ProtocolError",
+    "advance_reference",
+    "arrays_to_record",
+    "record_to_arrays",
+    "snap_to_grid",
+]
+
+INSTRUCTION_KEY = "fedge.compression"
+UPDATE_KEY = "fedge.update"
+FULL = -1
+APPROXIMATE = -2
+GRIDS = ("fp32", "fp16")
+_FP16_MAX = np.float32(65504.0)
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the compressed-training protocol; the text names what is wrong."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """The coordinator's compression instruction of one train message.
+
+    Parameters
+    ----------
+    codec : str
+        Uplink codec spec.
+    version : int
+        Version of the model the message carries.
+    ef_momentum : float (default: 0.0)
+        Error-feedback momentum, in [0, 1).
+    arrays_key : str (default: "arrays")
+        Key of the model's ArrayRecord for the client app.
+    grid : str (default: "fp32")
+        Grid of the reference model, one of :data:`GRIDS`.
+    base : int (default: FULL)
+        For a compressed download: the version ``model`` applies to, :data:`FULL` or :data:`APPROXIMATE`.
+    model : bytes or None (default: None)
+        Compressed download; None when the model travels as a dense ArrayRecord.
+    dtypes : tuple of str (default: ())
+        With a full model: ``"name=dtype"`` of the tensors the app holds in a dtype other than float32.
+    """
+
+    codec: str
+    version: int
+    ef_momentum: float = 0.0
+    arrays_key: str = "arrays"
+    grid: str = "fp32"
+    base: int = FULL
+    model: bytes | None = None
+    dtypes: tuple[str, ...] = ()
+
+    @property
+    def full(self) -> bool:
+        """Whether ``model`` is a whole model rather than a delta."""
+        return self.base in (FULL, APPROXIMATE)
+
+    def to_record(self) -> ConfigRecord:
+        record = ConfigRecord(
+            {
+                "codec": self.codec,
+                "version": self.version,
+                "ef-momentum": self.ef_momentum,
+                "arrays-key": self.arrays_key,
+                "grid": self.grid,
+            }
+        )
+        if self.model is not None:
+            record["base"] = self.base
+            record["model"] = self.model
+        if self.dtypes:
+            record["dtypes"] = list(self.dtypes)
+        return record
+
+    def dtype_map(self) -> dict[str, str]:
+        """The non-float32 dtypes of a full model, by tensor name."""
+        pairs = [item.rpartition("=") for item in self.dtypes]
+        try:
+            return {name: str(np.dtype(dtype)) for name, _, dtype in pairs}
+        except TypeError as err:
+            raise ProtocolError(f"instruction dtypes are not numpy dtypes: {err}") from None
+
+    @classmethod
+    def from_record(cls, record: ConfigRecord) -> Instruction:
+        """Read and check an instruction; raise :class:`ProtocolError` naming the bad field."""
+        fields = {
+            "codec": _field(record, "codec", str),
+            "version": _field(record, "version", int),
+            "ef_momentum": float(_field(record, "ef-momentum", float | int)),
+            "arrays_key": _field(record, "arrays-key", str),
+            "grid": _field(record, "grid", str),
+        }
+        if fields["grid"] not in GRIDS:
+            raise ProtocolError(f"instruction grid {fields['grid']!r} is not one of {GRIDS}")
+        if not 0.0 <= fields["ef_momentum"] < 1.0:
+            raise ProtocolError(f"instruction ef-momentum {fields['ef_momentum']} is not in [0, 1)")
+        if "model" in record:
+            fields["model"] = _field(record, "model", bytes)
+            fields["base"] = _field(record, "base", int)
+            if fields["base"] < APPROXIMATE:
+                raise ProtocolError(f"instruction base {fields['base']} is not a version")
+        if "dtypes" in record:
+            dtypes = record["dtypes"]
+            if not isinstance(dtypes, list) or not all(isinstance(d, str) for d in dtypes):
+                raise ProtocolError("instruction field 'dtypes' must be a list of strings")
+            fields["dtypes"] = tuple(dtypes)
+        return cls(**fields)
+
+
+def _field(record: ConfigRecord, key: str, kind: type | object) -> object:
+    if key not in record:
+        raise ProtocolError(f"instruction lacks field {key!r}")
+    value = record[key]
+    if not isinstance(value, kind) or isinstance(value, bool):  # type: ignore[arg-type]
+        raise ProtocolError(f"instruction field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def snap_to_grid(arrays: Mapping[str, np.ndarray], grid: str) -> None:
+    """Round float32 ``arrays`` in place to ``grid`` (fp16 saturates at ±65504 instead of overflowing)."""
+    if grid == "fp32":
+        return
+    for array in arrays.values():
+        np.clip(array, -_FP16_MAX, _FP16_MAX, out=array)
+        array[...] = array.astype(np.float16)
+
+
+def advance_reference(
+    reference: Mapping[str, np.ndarray] | None,
+    payload: bytes,
+    *,
+    full: bool,
+    grid: str,
+    max_elements: int,
+) -> dict[str, np.ndarray]:
+    """The next reference model: the decoded full model, or ``reference`` plus the decoded delta, on ``grid``.
+
+    Raises
+    ------
+    CodecError
+        If ``payload`` does not decode, or (for a delta) its tensors differ from ``reference``'s.
+    """
+    if full or reference is None:
+        arrays = decode(payload, max_elements=max_elements)
+    else:
+        arrays = {name: np.array(array, dtype=np.float32, copy=True) for name, array in reference.items()}
+        decode_add(payload, arrays, max_elements=max_elements)
+    snap_to_grid(arrays, grid)
+    return arrays
+
+
+def record_to_arrays(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A record's arrays as writable float32 numpy arrays, and their original dtypes by name."""
+    arrays, dtypes = {}, {}
+    for name, array in record.items():
+        values = array.numpy()
+        dtypes[name] = str(values.dtype)
+        arrays[name] = np.array(values, dtype=np.float32, copy=True)
+    return arrays, dtypes
+
+
+def arrays_to_record(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> ArrayRecord:
+    """Float32 arrays back to an ArrayRecord in their original dtypes (integers rounded, not truncated)."""
+    out = {}
+    for name, values in arrays.items():
+        dtype = np.dtype(dtypes.get(name, "float32"))
+        if dtype.kind in "iub":
+            values = np.rint(values)
+        out[name] = Array(np.asarray(values.astype(dtype, copy=False)))
+    return ArrayRecord(out)

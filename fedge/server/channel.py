@@ -1,0 +1,233 @@
+"""The coordinator's side of the compressed-training protocol, shared by every strategy that speaks it.
+
+:class:`CompressedChannel` turns a strategy's dense train messages into instructions (uplink codec,
+model version, optionally a compressed download) and a round's replies into screened, still compressed
+updates plus a :class:`RoundReport`. :class:`fedge.server.streaming.StreamingFedAvg` sums those
+updates in place; :class:`fedge.server.decoding.DecodingStrategy` decodes them for any Flower strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, RecordDict
+
+from fedge.client.protocol import INSTRUCTION_KEY, Instruction
+from fedge.compression.errors import CodecConfigError
+from fedge.compression.spec import build_codec
+from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
+from fedge.server.screening import (
+    REJECTION_REASONS,
+    Rejected,
+    ReplyScreen,
+    ScreenedReply,
+    norm_outliers,
+    screen_reply,
+)
+
+__all__ = ["CompressedChannel", "CompressionConfig", "RoundReport"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """What a compressing strategy asks of its clients and how it screens their replies.
+
+    Parameters
+    ----------
+    codec : str (default: "topk:0.01+int8")
+        Uplink codec spec every client encodes its update with.
+    ef_momentum : float (default: 0.0)
+        Deep Gradient Compression momentum correction of the clients' error feedback, in [0, 1).
+    downlink : DownlinkConfig or None (default: None)
+        Compressed downloads; None sends the global model as Flower does, a dense ArrayRecord.
+    screen : ReplyScreen (default: ReplyScreen())
+        Rejection of suspicious replies.
+    """
+
+    codec: str = "topk:0.01+int8"
+    ef_momentum: float = 0.0
+    downlink: DownlinkConfig | None = None
+    screen: ReplyScreen = field(default_factory=ReplyScreen)
+
+    def __post_init__(self) -> None:
+        build_codec(self.codec)
+        if not 0.0 <= self.ef_momentum < 1.0:
+            raise CodecConfigError(f"ef_momentum must be in [0, 1), got {self.ef_momentum}")
+
+
+@dataclass
+class RoundReport:
+    """One round's compression figures, as the coordinator saw them.
+
+    Parameters
+    ----------
+    replies, accepted : int
+        Train replies with content, and those aggregated.
+    rejected : Counter
+        Rejected replies by reason (see :data:`fedge.server.screening.REJECTION_REASONS`).
+    payload_bytes, dense_bytes : int
+        Upload payload bytes of accepted replies, and what they would be as dense float32.
+    downloads_delta, downloads_full : int
+        Train messages that carried a compressed delta, or a full model.
+    download_payload_bytes : int
+        Model bytes sent in those messages.
+    """
+
+    replies: int = 0
+    accepted: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    payload_bytes: int = 0
+    dense_bytes: int = 0
+    downloads_delta: int = 0
+    downloads_full: int = 0
+    download_payload_bytes: int = 0
+
+    def to_metrics(self) -> dict[str, float]:
+        """Flat numbers for ``RoundMetrics.extra`` and Flower's MetricRecord."""
+        metrics: dict[str, float] = {
+            "accepted": self.accepted,
+            "rejected": sum(self.rejected.values()),
+            "compression_ratio": self.dense_bytes / self.payload_bytes if self.payload_bytes else 0.0,
+            "upload_payload_bytes": self.payload_bytes,
+            "downloads_delta": self.downloads_delta,
+            "downloads_full": self.downloads_full,
+            "download_payload_bytes": self.download_payload_bytes,
+        }
+        metrics.update({f"rejected_{reason}": self.rejected[reason] for reason in REJECTION_REASONS})
+        return metrics
+
+
+class CompressedChannel:
+    """Instruct clients and screen their replies, round by round.
+
+    Parameters
+    ----------
+    config : CompressionConfig
+        Codec, error feedback, downloads, screening.
+    weighted_by_key : str (default: "num-examples")
+        MetricRecord key of each reply's aggregation weight.
+    """
+
+    def __init__(self, config: CompressionConfig, weighted_by_key: str = "num-examples") -> None:
+        self.config = config
+        self.weighted_by_key = weighted_by_key
+        self.broadcast = ModelBroadcast(config.downlink) if config.downlink else None
+        self.reports: dict[int, RoundReport] = {}
+        self._sent: dict[int, tuple[int, Download | None]] = {}  # node -> (version, download) this round
+
+    def instruct(
+        self,
+        server_round: int,
+        messages: Iterable[Message],
+        model: Mapping[str, np.ndarray],
+        dtypes: Mapping[str, str],
+    ) -> list[Message]:
+        """Add the instruction to each train message; replace its ArrayRecord by a compressed download.
+
+        ``model`` is the global model (float32) the messages carry; ``dtypes`` its tensors' own dtypes.
+        """
+        messages = list(messages)
+        report = self.reports[server_round] = RoundReport()
+        self._sent.clear()
+        nodes = [message.metadata.dst_node_id for message in messages]
+        downloads = self.broadcast.prepare(server_round, model, nodes) if self.broadcast else {}
+        contents: dict[int, RecordDict] = {}  # one content per distinct download, shared by its messages
+        for message, node in zip(messages, nodes, strict=True):
+            download = downloads.get(node)
+            self._sent[node] = (server_round, download)
+            key = id(download)
+            if key not in contents:
+                contents[key] = self._content(message.content, server_round, download, dtypes)
+            message.content = contents[key]
+            if download is not None:
+                report.downloads_delta += download.is_delta
+                report.downloads_full += not download.is_delta
+                report.download_payload_bytes += len(download.payload)
+        return messages
+
+    def _content(
+        self, content: RecordDict, version: int, download: Download | None, dtypes: Mapping[str, str]
+    ) -> RecordDict:
+        array_keys = [key for key, value in content.items() if isinstance(value, ArrayRecord)]
+        if len(array_keys) != 1:
+            raise ValueError(f"a train message must carry one ArrayRecord, found {len(array_keys)}")
+        instruction = Instruction(
+            codec=self.config.codec,
+            version=version,
+            ef_momentum=self.config.ef_momentum,
+            arrays_key=array_keys[0],
+            grid=self.config.downlink.grid if self.config.downlink else "fp32",
+        )
+        out = RecordDict(dict(content.items()))
+        if download is not None:
+            del out[array_keys[0]]
+            extra = (
+                tuple(f"{n}={d}" for n, d in dtypes.items() if d != "float32")
+                if not download.is_delta
+                else ()
+            )
+            instruction = dataclasses.replace(
+                instruction, base=download.base, model=download.payload, dtypes=extra
+            )
+        out[INSTRUCTION_KEY] = instruction.to_record()
+        return out
+
+    def receive(
+        self, server_round: int, replies: Iterable[Message], shapes: Mapping[str, tuple[int, ...]]
+    ) -> list[ScreenedReply]:
+        """Screen the round's train replies against the model's ``shapes``; return those to aggregate.
+
+        Rejections are logged with the node id and counted in ``reports[server_round]``; failed
+        replies (Flower errors) only make the coordinator forget which model version the node holds.
+        """
+        report = self.reports.setdefault(server_round, RoundReport())
+        passed: list[ScreenedReply] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                log.info(
+                    "round %d: node %d replied with an error: %s", server_round, node, reply.error.reason
+                )
+                continue
+            report.replies += 1
+            version, download = self._sent.get(node, (server_round, None))
+            try:
+                screened = screen_reply(
+                    node, reply.content, version=version, weighted_by_key=self.weighted_by_key, shapes=shapes
+                )
+            except Rejected as rejection:
+                self.reject(server_round, node, rejection)
+                continue
+            if self.broadcast is not None and download is not None:
+                self.broadcast.confirm(node, version, download)
+            passed.append(screened)
+        outliers = norm_outliers([r.norm for r in passed], self.config.screen)
+        accepted = []
+        for screened, outlier in zip(passed, outliers, strict=True):
+            if outlier:
+                median = float(np.median([r.norm for r in passed]))
+                detail = f"update norm {screened.norm:.4g} vs round median {median:.4g}"
+                self.reject(server_round, screened.node_id, Rejected("norm_outlier", detail))
+                continue
+            accepted.append(screened)
+            report.payload_bytes += len(screened.payload)
+            report.dense_bytes += 4 * sum(int(np.prod(shape)) for shape in shapes.values())
+        report.accepted = len(accepted)
+        return accepted
+
+    def reject(self, server_round: int, node_id: int, rejection: Rejected) -> None:
+        """Log and count a rejected reply."""
+        log.warning("round %d: rejected the reply of node %d: %s", server_round, node_id, rejection)
+        self.reports.setdefault(server_round, RoundReport()).rejected[rejection.reason] += 1
+
+    def round_metrics(self, server_round: int) -> dict[str, float]:
+        """The round's figures (empty if the round is unknown)."""
+        report = self.reports.get(server_round)
+        return report.to_metrics() if report else {}

@@ -1,0 +1,137 @@
+"""Compressed downloads: the global model as a compressed delta against a reference every client shares.
+
+The coordinator keeps one reference model ``M`` (what up-to-date clients hold) and the global model
+``x``. Each round it encodes ``x − M`` with the delta codec and advances ``M`` by exactly what the
+payload decodes to (:func:`fedge.client.protocol.advance_reference`); clients that hold ``M`` apply the
+same payload and get the same ``M``. What the codec left out stays in ``x − M`` and travels in a later
+round: that difference *is* the server-side error-feedback residual, so it needs no memory of its own.
+
+A client that missed a round, joins late or lost its state gets the full ``M`` instead (fp16, fp32 or
+blockwise int8). ``M`` is kept on the fp16 grid when full models go as fp16, so that download is exact
+and the client rejoins the delta stream; an int8 full model is approximate, marked so, and the client
+gets full models until it holds an exact one. Which node holds which version is known only from its
+replies: a node that did not answer is assumed to hold nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedge.client.protocol import APPROXIMATE, FULL, advance_reference, snap_to_grid
+from fedge.compression.codec import Codec
+from fedge.compression.spec import build_codec
+
+__all__ = ["FULL_MODEL_CODECS", "DownlinkConfig", "Download", "ModelBroadcast"]
+
+# full-model codec -> (codec spec, reference grid, exact)
+FULL_MODEL_CODECS: dict[str, tuple[str, str, bool]] = {
+    "fp32": ("fp32", "fp32", True),
+    "fp16": ("fp16;dense=fp16", "fp16", True),
+    "int8": ("int8;dense=fp16", "fp16", False),
+}
+
+
+@dataclass(frozen=True)
+class DownlinkConfig:
+    """How the coordinator compresses downloads.
+
+    Parameters
+    ----------
+    codec : str (default: "topk:0.1+int8")
+        Codec of the per-round delta, any :func:`fedge.compression.build_codec` spec.
+    full_model : str (default: "fp16")
+        Codec of full models for clients without the previous version: ``"fp16"`` (exact, the
+        reference stays on the fp16 grid), ``"fp32"`` (exact) or ``"int8"`` (blockwise, approximate).
+    """
+
+    codec: str = "topk:0.1+int8"
+    full_model: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.full_model not in FULL_MODEL_CODECS:
+            raise ValueError(
+                f"full-model codec must be one of {', '.join(FULL_MODEL_CODECS)}, got {self.full_model!r}"
+            )
+        build_codec(self.codec)  # a bad spec fails here, naming the problem
+
+    @property
+    def grid(self) -> str:
+        """The grid the reference model is kept on."""
+        return FULL_MODEL_CODECS[self.full_model][1]
+
+
+@dataclass(frozen=True)
+class Download:
+    """What one node is sent: a payload and the version it applies to (``FULL``/``APPROXIMATE``: none)."""
+
+    base: int
+    payload: bytes
+
+    @property
+    def is_delta(self) -> bool:
+        return self.base >= 0
+
+
+class ModelBroadcast:
+    """The coordinator's side of compressed downloads: the reference model and who holds which version.
+
+    Parameters
+    ----------
+    config : DownlinkConfig
+        Delta and full-model codecs.
+    """
+
+    def __init__(self, config: DownlinkConfig) -> None:
+        self.config = config
+        self.reference: dict[str, np.ndarray] | None = None
+        self.version: int | None = None
+        self._delta_codec: Codec = build_codec(config.codec)
+        spec, _, self._exact = FULL_MODEL_CODECS[config.full_model]
+        self._full_codec: Codec = build_codec(spec)
+        self._holders: dict[int, int] = {}
+
+    def prepare(
+        self, version: int, model: Mapping[str, np.ndarray], node_ids: Iterable[int]
+    ) -> dict[int, Download]:
+        """Advance the reference to ``version`` towards ``model`` and return each node's download.
+
+        Nodes known to hold the previous version get the delta; the others the full reference.
+        """
+        node_ids = list(node_ids)
+        previous = self.version
+        up_to_date = {n for n in node_ids if previous is not None and self._holders.get(n) == previous}
+        delta = None
+        if up_to_date:
+            difference = {name: model[name] - self.reference[name] for name in self.reference}
+            delta = Download(previous, self._delta_codec.encode(difference, seed=version))
+            del difference
+            self.reference = advance_reference(
+                self.reference, delta.payload, full=False, grid=self.config.grid, max_elements=_size(model)
+            )
+        else:  # nobody holds the old reference: restart it from the model itself, residual cleared
+            self.reference = {
+                name: np.array(array, dtype=np.float32, copy=True) for name, array in model.items()
+            }
+            snap_to_grid(self.reference, self.config.grid)
+        self.version = version
+        self._holders.clear()  # from now on only replies to this round's messages tell who holds what
+        full = None
+        if len(up_to_date) < len(node_ids):
+            full = Download(FULL if self._exact else APPROXIMATE, self._full_codec.encode(self.reference))
+        return {node: delta if node in up_to_date else full for node in node_ids}
+
+    def confirm(self, node_id: int, version: int, download: Download) -> None:
+        """Record that ``node_id`` trained from ``version`` after receiving ``download``."""
+        if version == self.version and download.base != APPROXIMATE:
+            self._holders[node_id] = version
+
+    def holds(self, node_id: int) -> int | None:
+        """The version ``node_id`` is known to hold, if any."""
+        return self._holders.get(node_id)
+
+
+def _size(arrays: Mapping[str, np.ndarray]) -> int:
+    return sum(int(array.size) for array in arrays.values())

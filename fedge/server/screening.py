@@ -1,0 +1,145 @@
+"""Screening compressed replies before they touch the running sum.
+
+A reply is rejected, never fatal, when it
+
+* carries no compressed update, or one trained from another model version (``no_update``, ``stale``);
+* has no usable weight (``bad_weight``: ``num-examples`` missing, not a positive finite number);
+* does not decode within the model's size (``undecodable``: garbage, truncated, corrupted bytes);
+* decodes to other tensor names or shapes than the model's (``wrong_tensors``);
+* holds NaN or infinity, or an update whose norm overflows (``non_finite``);
+* has an update norm far above the round's typical one (``norm_outlier``: more than
+  ``max_norm_ratio`` times the median norm of the round's otherwise valid replies).
+
+Checking a reply decodes it once, densely, to measure its norm; only the norm is kept, so screening
+all replies costs one decoded reply of memory at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ConfigRecord, RecordDict
+
+from fedge.client.protocol import UPDATE_KEY
+from fedge.compression.errors import CodecError, NonFiniteValueError
+from fedge.compression.wire import decode
+
+__all__ = ["REJECTION_REASONS", "Rejected", "ReplyScreen", "ScreenedReply", "norm_outliers", "screen_reply"]
+
+REJECTION_REASONS = (
+    "no_update",
+    "stale",
+    "bad_weight",
+    "undecodable",
+    "wrong_tensors",
+    "non_finite",
+    "norm_outlier",
+)
+
+
+@dataclass(frozen=True)
+class ReplyScreen:
+    """How suspicious replies are recognised.
+
+    Parameters
+    ----------
+    max_norm_ratio : float (default: 5.0)
+        Reject updates whose L2 norm exceeds this multiple of the round's median update norm; ``inf``
+        turns the test off.
+    min_replies : int (default: 3)
+        The norm test runs only when at least this many replies passed the other checks (a median of
+        one or two says nothing about a distribution).
+    """
+
+    max_norm_ratio: float = 5.0
+    min_replies: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.max_norm_ratio > 1.0:
+            raise ValueError("max_norm_ratio must be > 1")
+        if self.min_replies < 1:
+            raise ValueError("min_replies must be >= 1")
+
+
+class Rejected(Exception):
+    """A reply that must not be aggregated; ``reason`` is one of :data:`REJECTION_REASONS`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ScreenedReply:
+    """A reply that passed the per-reply checks."""
+
+    node_id: int
+    payload: bytes
+    weight: float
+    norm: float
+    content: RecordDict
+
+
+def screen_reply(
+    node_id: int,
+    content: RecordDict,
+    *,
+    version: int,
+    weighted_by_key: str,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> ScreenedReply:
+    """Check one reply's structure, weight and payload; raise :class:`Rejected` naming what is wrong."""
+    update = content.get(UPDATE_KEY)
+    if not isinstance(update, ConfigRecord) or not isinstance(update.get("payload"), bytes):
+        raise Rejected("no_update", f"no {UPDATE_KEY!r} record with a payload (is CompressionMod installed?)")
+    base = update.get("base")
+    if base != version:
+        raise Rejected("stale", f"update trained from version {base!r}, this round sent version {version}")
+    weight = _weight(content, weighted_by_key)
+    payload = update["payload"]
+    size = sum(math.prod(shape) for shape in shapes.values())
+    try:
+        decoded = decode(payload, max_elements=max(size, 1))
+    except NonFiniteValueError as err:
+        raise Rejected("non_finite", str(err)) from None
+    except CodecError as err:
+        raise Rejected("undecodable", str(err)) from None
+    if decoded.keys() != shapes.keys():
+        missing, extra = (
+            sorted(shapes.keys() - decoded.keys())[:3],
+            sorted(decoded.keys() - shapes.keys())[:3],
+        )
+        raise Rejected("wrong_tensors", f"missing {missing}, unexpected {extra}")
+    squares = 0.0
+    for name, array in decoded.items():
+        if array.shape != shapes[name]:
+            raise Rejected(
+                "wrong_tensors", f"tensor {name!r} has shape {array.shape}, the model {shapes[name]}"
+            )
+        flat = array.reshape(-1)
+        squares += float(np.dot(flat, flat))  # float32 dot: an overflow shows up as inf below
+    norm = math.sqrt(squares)
+    if not math.isfinite(norm):
+        raise Rejected("non_finite", "the update's norm overflows")
+    return ScreenedReply(node_id, payload, weight, norm, content)
+
+
+def _weight(content: RecordDict, key: str) -> float:
+    records = list(content.metric_records.values())
+    if len(records) != 1 or key not in records[0]:
+        raise Rejected("bad_weight", f"expected one MetricRecord holding {key!r}")
+    value = records[0][key]
+    if isinstance(value, list) or not (math.isfinite(value) and value > 0):
+        raise Rejected("bad_weight", f"{key} = {value!r} is not a positive finite number")
+    return float(value)
+
+
+def norm_outliers(norms: list[float], screen: ReplyScreen) -> list[bool]:
+    """Which of the round's ``norms`` are outliers under ``screen``."""
+    if len(norms) < screen.min_replies or math.isinf(screen.max_norm_ratio):
+        return [False] * len(norms)
+    limit = screen.max_norm_ratio * float(np.median(norms))
+    return [norm > limit for norm in norms]

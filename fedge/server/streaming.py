@@ -1,0 +1,166 @@
+"""Streaming aggregation of compressed updates: Flower's FedAvg without holding every decoded reply.
+
+Flower's ``FedAvg`` decodes every reply into dense arrays and sums them at the end: O(clients × model)
+memory. :class:`StreamingFedAvg` keeps the replies compressed, screens them one at a time
+(:mod:`fedge.server.screening`), then adds each accepted payload straight into one running weighted sum
+with :func:`fedge.compression.decode_add` (sparse payloads are scattered, never densified): O(model +
+one decoded reply) on top of the model. The sum is the averaged client update ``Δ``; a
+:class:`fedge.server.optimizers.ServerOptimizer` applies it (FedAvg, FedAvgM or FedAdam).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedge.client.protocol import arrays_to_record, record_to_arrays
+from fedge.compression.errors import CodecError
+from fedge.compression.wire import decode_add
+from fedge.server.channel import CompressedChannel, CompressionConfig
+from fedge.server.optimizers import ServerOptimizer
+from fedge.server.screening import Rejected
+
+__all__ = ["StreamingFedAvg"]
+
+log = logging.getLogger(__name__)
+
+MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
+
+
+class StreamingFedAvg(FedAvg):
+    """FedAvg over compressed updates, summed as they are decoded.
+
+    Clients need :class:`fedge.client.CompressionMod` in their ClientApp. The strategy owns the global
+    model after the first ``configure_train``: it keeps it as float32 arrays and returns a fresh
+    ArrayRecord of it from every ``aggregate_train``.
+
+    Parameters
+    ----------
+    compression : CompressionConfig (default: CompressionConfig())
+        Uplink codec, error-feedback momentum, compressed downloads and reply screening.
+    optimizer : ServerOptimizer or None (default: None)
+        How the averaged update moves the model; None is plain averaging (``ServerOptimizer("avg")``).
+    fraction_train : float (default: 1.0)
+        Fraction of nodes sampled for training each round.
+    fraction_evaluate : float (default: 1.0)
+        Fraction of nodes sampled for federated evaluation (which receives dense models).
+    min_train_nodes : int (default: 2)
+        Minimum number of nodes sampled for training.
+    min_evaluate_nodes : int (default: 2)
+        Minimum number of nodes sampled for evaluation.
+    min_available_nodes : int (default: 2)
+        Nodes that must be connected before sampling.
+    weighted_by_key : str (default: "num-examples")
+        MetricRecord key weighting each reply.
+    arrayrecord_key : str (default: "arrays")
+        Key of the model's ArrayRecord in train and evaluate messages.
+    configrecord_key : str (default: "config")
+        Key of the ConfigRecord in train and evaluate messages.
+    train_metrics_aggr_fn : callable or None (default: None)
+        Aggregates accepted replies' MetricRecords; None is Flower's weighted average.
+    evaluate_metrics_aggr_fn : callable or None (default: None)
+        Aggregates evaluation MetricRecords; None is Flower's weighted average.
+    """
+
+    def __init__(
+        self,
+        compression: CompressionConfig | None = None,
+        optimizer: ServerOptimizer | None = None,
+        *,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = "num-examples",
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        train_metrics_aggr_fn: MetricsAggregation | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
+    ) -> None:
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+        )
+        self.compression = compression or CompressionConfig()
+        self.optimizer = optimizer or ServerOptimizer()
+        self.channel = CompressedChannel(self.compression, weighted_by_key)
+        self._model: dict[str, np.ndarray] | None = None
+        self._dtypes: dict[str, str] = {}
+
+    def summary(self) -> None:
+        """Log the configuration."""
+        downlink = self.compression.downlink
+        log.info(
+            "StreamingFedAvg: uplink %s (EF momentum %s), downlink %s, server optimizer %s (lr %s)",
+            self.compression.codec,
+            self.compression.ef_momentum,
+            f"{downlink.codec} / full {downlink.full_model}" if downlink else "dense",
+            self.optimizer.kind,
+            self.optimizer.learning_rate,
+        )
+        super().summary()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes as FedAvg does; send each the instruction and the model, dense or compressed."""
+        if self._model is None:
+            self._model, self._dtypes = record_to_arrays(arrays)
+        messages = super().configure_train(server_round, arrays, config, grid)
+        return self.channel.instruct(server_round, messages, self._model, self._dtypes)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Screen the replies, sum the accepted ones in place, take one optimizer step."""
+        if self._model is None:
+            raise RuntimeError("aggregate_train called before configure_train")
+        shapes = {name: array.shape for name, array in self._model.items()}
+        accepted = self.channel.receive(server_round, replies, shapes)
+        if not accepted:
+            log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
+            return None, None
+        total = sum(reply.weight for reply in accepted)
+        size = sum(array.size for array in self._model.values())
+        running = {name: np.zeros_like(array) for name, array in self._model.items()}
+        aggregated = []
+        for reply in accepted:
+            try:  # the payload was validated while screening; this guards the invariant, not the input
+                decode_add(reply.payload, running, reply.weight / total, max_elements=size)
+            except CodecError as err:
+                self.channel.reject(server_round, reply.node_id, Rejected("undecodable", str(err)))
+                continue
+            aggregated.append(reply)
+        self.optimizer.step(self._model, running)
+        del running
+        metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
+        return arrays_to_record(self._model, self._dtypes), metrics
+
+    def _train_metrics(self, server_round: int, contents: list[RecordDict]) -> MetricRecord:
+        """The clients' metrics as FedAvg aggregates them, plus the round's compression figures."""
+        try:
+            metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        except (KeyError, TypeError, ValueError) as err:  # replies whose metric keys disagree
+            log.warning("round %d: client metrics not aggregated: %s", server_round, err)
+            metrics = MetricRecord()
+        for key, value in self.round_metrics(server_round).items():
+            metrics[f"fedge.{key}"] = value
+        return metrics
+
+    def round_metrics(self, server_round: int) -> dict[str, float]:
+        """Bytes, compression ratio and rejections of ``server_round``."""
+        return self.channel.round_metrics(server_round)
