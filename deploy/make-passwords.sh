@@ -2,9 +2,10 @@
 # Generate the secrets of a fedge fleet: an MQTT password per node and for the coordinator, and a signing key
 # per node.
 #
-#   deploy/make-passwords.sh [-d DIR] [-o OWNER] [-b BROKER_OWNER] (-n COUNT | NODE_ID...)
+#   deploy/make-passwords.sh [-d DIR] [-r] [-o OWNER] [-b BROKER_OWNER] (-n COUNT | NODE_ID...)
 #
 #   -d DIR           output directory (default: deploy/secrets next to this script)
+#   -r               rotate: new secrets for everyone (by default existing ones are kept)
 #   -o OWNER         chown the credential files to OWNER (user[:group]) so the fedge service can read them
 #                    (10001:10001 is the fedge user in deploy/Dockerfile; needs root)
 #   -b BROKER_OWNER  chown the broker's password file (1883:1883 is mosquitto in eclipse-mosquitto; needs root)
@@ -18,18 +19,20 @@
 #   DIR/node-keys/<node>.key           the node's HMAC key: the agent's signing_key_file, and the coordinator's
 #                                      node_keys_dir holds them all (replies must then be signed)
 # The MQTT username of a node is its node id (the broker ACL isolates nodes by username); the coordinator's
-# is "coordinator". Re-running replaces every secret, and the password file then holds exactly the users of
-# that run. No secret appears on a command line.
+# is "coordinator". Re-running keeps the secrets of users it names (so adding a node changes nothing for the
+# others), makes them for new ones, and deletes those of nodes it no longer names: the password file and
+# node-keys/ then hold exactly the users of that run. No secret appears on a command line.
 set -euo pipefail
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" >&2; exit 2; }
 die() { echo "make-passwords.sh: $*" >&2; exit 2; }
 
 out_dir="$(cd "$(dirname "$0")" && pwd)/secrets"
-owner="" broker_owner="" count=""
-while getopts "d:o:b:n:h" opt; do
+owner="" broker_owner="" count="" rotate=""
+while getopts "d:ro:b:n:h" opt; do
     case "$opt" in
         d) out_dir="$OPTARG" ;;
+        r) rotate=1 ;;
         o) owner="$OPTARG" ;;
         b) broker_owner="$OPTARG" ;;
         n) count="$OPTARG" ;;
@@ -71,17 +74,26 @@ umask 077
 mkdir -p "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys"
 chmod 700 "$out_dir" "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys"
 # Secrets of nodes left out of this run must not linger (the coordinator trusts every key in node-keys/).
-rm -f "$out_dir"/credentials/*.password "$out_dir"/node-keys/*.key
+for file in "$out_dir"/credentials/*.password "$out_dir"/node-keys/*.key; do
+    [[ -e "$file" ]] || continue
+    user="$(basename "${file%.*}")"
+    if [[ -n "$rotate" || ( "$user" != "coordinator" && -z "${seen[$user]:-}" ) ]]; then rm -f "$file"; fi
+done
+
+# keep_or_make FILE GENERATOR: print the secret in FILE, first writing a new one if there is none.
+keep_or_make() {
+    [[ -s "$1" ]] || printf '%s\n' "$("$2")" > "$1"
+    head -n 1 "$1"
+}
 
 plain="$(mktemp "$out_dir/mosquitto/.passwd.XXXXXX")"
 trap 'rm -f "$plain"' EXIT
 for user in coordinator "${nodes[@]}"; do
-    password="$(random_password)"
-    printf '%s\n' "$password" > "$out_dir/credentials/$user.password"
+    password="$(keep_or_make "$out_dir/credentials/$user.password" random_password)"
     printf '%s:%s\n' "$user" "$password" >> "$plain"
 done
 for node in "${nodes[@]}"; do
-    printf '%s\n' "$(random_key)" > "$out_dir/node-keys/$node.key"
+    keep_or_make "$out_dir/node-keys/$node.key" random_key > /dev/null
 done
 # -U hashes a plain "user:password" file in place, so passwords never reach a command line.
 mosquitto_passwd -U "$plain"

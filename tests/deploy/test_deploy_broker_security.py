@@ -7,10 +7,12 @@ barrier is in, anything forbidden that leaked would have arrived before it.
 
 from __future__ import annotations
 
+import signal
 import ssl
+import time
 
 import pytest
-from deploy_broker import NODES, Probe, start_broker
+from deploy_broker import NODES, Probe, Secrets, run_script, start_broker
 
 from fedge.transport.topics import Topics, ack_topic
 
@@ -160,5 +162,32 @@ def test_mutual_tls_variant_requires_a_client_certificate(tmp_path, secrets):
             assert with_cert.connect().getName() == "Success"
         finally:
             with_cert.close()
+    finally:
+        broker.stop()
+
+
+def test_new_node_is_admitted_after_rerunning_the_script_and_a_reload(tmp_path):
+    """The documented way to add a node: make-passwords.sh with one more id, then SIGHUP to the broker."""
+    secrets = Secrets(tmp_path / "secrets")
+    assert run_script("make-passwords.sh", "-d", str(secrets.root), NODE_A).returncode == 0
+    assert run_script("make-test-ca.sh", "-d", str(secrets.tls)).returncode == 0
+    broker = start_broker(tmp_path / "broker", secrets)
+    try:
+        node_a_password = secrets.password(NODE_A)
+        assert run_script("make-passwords.sh", "-d", str(secrets.root), NODE_A, "node-c").returncode == 0
+        assert secrets.password(NODE_A) == node_a_password, "adding a node must not change the others"
+        broker.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while True:
+            probe = Probe(broker.plain_port, "node-c", secrets.password("node-c"))
+            admitted = not probe.connect().is_failure
+            probe.close()
+            if admitted or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert admitted
+        old = Probe(broker.plain_port, NODE_A, node_a_password)
+        assert not old.connect().is_failure
+        old.close()
     finally:
         broker.stop()

@@ -198,10 +198,15 @@ def test_make_passwords_writes_private_random_secrets(tmp_path):
     assert [line.split(":")[0] for line in passwd.splitlines()] == ["coordinator", "n1", "n2"]
     assert not any(secret in passwd for secret in secrets), "the broker's file must hold hashes only"
 
-    # A second run for other nodes leaves no secret of the first behind.
-    assert run_script("make-passwords.sh", "-d", str(tmp_path), "n3").returncode == 0
-    assert sorted(p.name for p in (tmp_path / "node-keys").iterdir()) == ["n3.key"]
-    assert (tmp_path / "credentials" / "coordinator.password").read_text().strip() not in secrets
+    # A re-run keeps the secrets of the users it names, makes new ones and drops the rest; -r rotates all.
+    before = {p.name: p.read_text() for p in files}
+    assert run_script("make-passwords.sh", "-d", str(tmp_path), "n1", "n3").returncode == 0
+    after = {p.name: p.read_text() for p in tmp_path.glob("*/*") if p.parent.name != "mosquitto"}
+    assert sorted(after) == ["coordinator.password", "n1.key", "n1.password", "n3.key", "n3.password"]
+    assert all(after[name] == before[name] for name in ["coordinator.password", "n1.key", "n1.password"])
+    assert run_script("make-passwords.sh", "-d", str(tmp_path), "-r", "n1", "n3").returncode == 0
+    rotated = {p.name: p.read_text() for p in tmp_path.glob("*/*") if p.parent.name != "mosquitto"}
+    assert sorted(rotated) == sorted(after) and not set(rotated.values()) & set(after.values())
 
 
 @pytest.mark.parametrize(
