@@ -10,16 +10,24 @@ over labels made by flwr-datasets' ``DirichletPartitioner``. Users plug their ow
 from __future__ import annotations
 
 import importlib
+import io
+import logging
+import os
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedge.atomic import write_bytes_atomic
+
 __all__ = ["DigitsTask", "Task", "TaskLoadError", "TensorData", "TrainConfig", "load_task"]
+
+log = logging.getLogger(__name__)
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
 """Features and integer labels of one data split."""
@@ -86,6 +94,13 @@ class Task(ABC):
     @abstractmethod
     def test_set(self) -> TensorData:
         """The held-out test split the server evaluates the global model on."""
+
+    def prepare(self, num_partitions: int, *, alpha: float, seed: int) -> None:  # noqa: B027 (optional hook)
+        """One-time work before clients start (partitioning, caching); engines call it once per run.
+
+        The default does nothing. Tasks whose ``load_partition`` is expensive compute and cache here, so
+        that hundreds of client processes do not all repeat it.
+        """
 
     def train(self, model: nn.Module, data: TensorData, config: TrainConfig) -> dict[str, float]:
         """Train ``model`` in place on ``data``; return ``train_loss`` and ``num-examples``."""
@@ -177,6 +192,9 @@ class DigitsTask(Task):
     def test_set(self) -> TensorData:
         return _digits_split("test")
 
+    def prepare(self, num_partitions: int, *, alpha: float, seed: int) -> None:
+        _dirichlet_partitions(num_partitions, alpha, seed)
+
 
 @lru_cache(maxsize=2)
 def _digits_split(split: str) -> TensorData:
@@ -197,7 +215,29 @@ def _digits_split(split: str) -> TensorData:
 
 @lru_cache(maxsize=8)
 def _dirichlet_partitions(num_partitions: int, alpha: float, seed: int) -> tuple[np.ndarray, ...]:
-    """Row indices of the training split for every client, from flwr-datasets' Dirichlet partitioner."""
+    """Row indices of the training split for every client, cached on disk across processes."""
+    path = _cache_dir() / f"digits-dirichlet-v1-n{num_partitions}-a{alpha!r}-s{seed}.npz"
+    try:
+        with np.load(path, allow_pickle=False) as cached:
+            return tuple(cached[f"p{i}"] for i in range(num_partitions))
+    except (OSError, KeyError, ValueError):
+        pass  # not cached yet (or damaged): compute it
+    parts = _compute_dirichlet_partitions(num_partitions, alpha, seed)
+    buffer = io.BytesIO()
+    np.savez(buffer, **{f"p{i}": part for i, part in enumerate(parts)})
+    try:
+        write_bytes_atomic(path, buffer.getvalue())
+    except OSError as err:  # a read-only home is no reason to fail
+        log.debug("partition cache %s not written: %s", path, err)
+    return parts
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FEDGE_CACHE_DIR") or Path.home() / ".cache" / "fedge")
+
+
+def _compute_dirichlet_partitions(num_partitions: int, alpha: float, seed: int) -> tuple[np.ndarray, ...]:
+    """The split itself, by flwr-datasets' Dirichlet partitioner (slow to import: hence the cache)."""
     from datasets import Dataset
     from flwr_datasets.partitioner import DirichletPartitioner
 

@@ -14,6 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedge.app.client_app import app as client_app
 from fedge.app.server_app import RoundListener, run_federated
+from fedge.app.task import load_task
 from fedge.compat import set_task_identity
 from fedge.server.history import RunHistory
 from fedge.simulation.config import SimulationConfig
@@ -43,6 +44,8 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
     """
     # Round 1 must sample from every client, not from whoever registered first.
     app_config = dataclasses.replace(config.app, min_nodes=config.clients)
+    # Partition once here rather than in every client (process) of the run.
+    load_task(app_config.task).prepare(config.clients, alpha=app_config.alpha, seed=app_config.seed)
     if config.engine == "ray":
         return _run_ray(config, app_config, list(listeners))
     if config.engine == "mqtt":

@@ -65,3 +65,26 @@ def test_training_improves_accuracy_and_is_reproducible():
 def test_bad_task_paths_name_the_problem(path, message):
     with pytest.raises(TaskLoadError, match=message):
         load_task(path)
+
+
+def test_prepared_partitions_load_without_the_partitioner(tmp_path):
+    """Client processes read the cached split instead of importing flwr-datasets and recomputing it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FEDGE_CACHE_DIR": str(tmp_path)}
+    expected = DigitsTask().load_partition(3, 7, alpha=0.3, seed=11)[1]  # computed in this process
+    probe = (
+        "import sys; from fedge.app.task import DigitsTask; "
+        "labels = DigitsTask().load_partition(3, 7, alpha=0.3, seed=11)[1]; "
+        "print('datasets' in sys.modules, labels.tolist())"
+    )
+    code = f"from fedge.app.task import DigitsTask; DigitsTask().prepare(7, alpha=0.3, seed=11); {probe}"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    second = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert first.stdout.startswith("True") and second.stdout.startswith("False")
+    assert second.stdout.split(" ", 1)[1].strip() == str(expected.tolist())
+    assert len(list(tmp_path.glob("digits-dirichlet-*.npz"))) == 1
