@@ -50,6 +50,12 @@ def simulate(
     alpha: float | None = typer.Option(
         None, help="Dirichlet concentration of the label split [default: 0.5]."
     ),
+    codec: str | None = typer.Option(
+        None, help="Compress client updates with this codec spec, e.g. 'topk:0.01+int8' [default: dense]."
+    ),
+    downlink_codec: str | None = typer.Option(
+        None, help="Send the model as a compressed delta with this codec spec (needs --codec)."
+    ),
     config: Path | None = typer.Option(
         None, "--config", help="TOML file with flat keys (clients, rounds, ...)."
     ),
@@ -73,6 +79,8 @@ def simulate(
         "broker": broker,
         "task": task,
         "alpha": alpha,
+        "codec": codec,
+        "downlink_codec": downlink_codec,
         "out_dir": str(out),
     }
     flags = {key: value for key, value in flags.items() if value is not None}
@@ -85,7 +93,7 @@ def simulate(
     console = Console()
     console.print(
         f"[bold]fedge simulate[/]: {sim.clients} clients, {sim.app.rounds} rounds, engine {sim.engine}, "
-        f"task {sim.app.task}, alpha {sim.app.alpha}, seed {sim.app.seed}"
+        f"task {sim.app.task}, alpha {sim.app.alpha}, seed {sim.app.seed}, codec {sim.app.codec or 'dense'}"
     )
     with RoundProgress(sim.app.rounds, console) as progress:
         history = run_simulation(sim, listeners=[progress.update])

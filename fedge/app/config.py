@@ -47,6 +47,24 @@ class AppConfig:
         Where metrics.json and plots go; empty writes nothing.
     min_nodes : int (default: 1)
         Nodes that must be connected before round 1 samples (Flower samples from whoever is there).
+    codec : str (default: "")
+        Uplink codec spec (e.g. ``"topk:0.01+int8"``): clients send compressed updates with error feedback
+        and the coordinator aggregates them streaming (:class:`fedge.server.StreamingFedAvg`). Empty runs
+        Flower's dense FedAvg.
+    downlink_codec : str (default: "")
+        Codec of the per-round model delta sent to clients; empty sends the dense model. Needs ``codec``.
+    full_model_codec : str (default: "fp16")
+        How clients without the previous model version get the whole model: fp16, fp32 or int8.
+    server_optimizer : str (default: "avg")
+        ``avg`` (FedAvg), ``avgm`` (server momentum) or ``adam`` (FedAdam); not ``avg`` needs ``codec``.
+    server_lr : float (default: 1.0)
+        Server learning rate applied to the averaged update; anything but 1.0 needs ``codec``.
+    server_momentum : float (default: 0.9)
+        Momentum of ``avgm``.
+    ef_momentum : float (default: 0.0)
+        Deep Gradient Compression momentum correction of the clients' error feedback, in [0, 1).
+    max_norm_ratio : float (default: 5.0)
+        Replies whose update norm exceeds this multiple of the round's median are rejected.
     """
 
     rounds: int = 30
@@ -59,6 +77,14 @@ class AppConfig:
     task: str = "fedge.app.task:DigitsTask"
     out_dir: str = ""
     min_nodes: int = 1
+    codec: str = ""
+    downlink_codec: str = ""
+    full_model_codec: str = "fp16"
+    server_optimizer: str = "avg"
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
+    ef_momentum: float = 0.0
+    max_norm_ratio: float = 5.0
 
     # Flower's key for the number of rounds differs from the field name.
     _RUN_CONFIG_KEYS: ClassVar[dict[str, str]] = {"rounds": "num-server-rounds"}
@@ -74,6 +100,43 @@ class AppConfig:
             (self.alpha > 0.0, "alpha must be > 0"),
             (":" in self.task, "task must be 'package.module:TaskClass'"),
             (self.min_nodes >= 1, "min_nodes must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        """Compression settings: valid specs, and none of them without an uplink codec."""
+        from fedge.compression import CodecConfigError, build_codec  # numpy only; keeps config import light
+        from fedge.server.downlink import FULL_MODEL_CODECS
+        from fedge.server.optimizers import OPTIMIZERS
+
+        for key in ("codec", "downlink_codec"):
+            if getattr(self, key):
+                try:
+                    build_codec(getattr(self, key))
+                except CodecConfigError as err:
+                    raise ConfigError(f"{key}: {err}") from None
+        dense_only = {
+            "downlink_codec": self.downlink_codec != "",
+            "server_optimizer": self.server_optimizer != "avg",
+            "server_lr": self.server_lr != 1.0,
+            "ef_momentum": self.ef_momentum != 0.0,
+        }
+        needing_codec = [key for key, set_ in dense_only.items() if set_]
+        if needing_codec and not self.codec:
+            raise ConfigError(f"{needing_codec[0]} needs codec (use codec 'fp32' for uncompressed updates)")
+        checks = [
+            (
+                self.full_model_codec in FULL_MODEL_CODECS,
+                f"full_model_codec must be one of {list(FULL_MODEL_CODECS)}",
+            ),
+            (self.server_optimizer in OPTIMIZERS, f"server_optimizer must be one of {OPTIMIZERS}"),
+            (self.server_lr > 0.0, "server_lr must be > 0"),
+            (0.0 <= self.server_momentum < 1.0, "server_momentum must be in [0, 1)"),
+            (0.0 <= self.ef_momentum < 1.0, "ef_momentum must be in [0, 1)"),
+            (self.max_norm_ratio > 1.0, "max_norm_ratio must be > 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -20,6 +20,7 @@ from flwr.serverapp.strategy import FedAvg, Strategy
 
 from fedge.app.config import AppConfig
 from fedge.app.task import load_task
+from fedge.server import CompressionConfig, DownlinkConfig, ReplyScreen, ServerOptimizer, StreamingFedAvg
 from fedge.server.history import RoundMetrics, RunHistory
 from fedge.server.metered_grid import MeteredGrid
 from fedge.server.plots import plot_accuracy, plot_accuracy_vs_upload
@@ -101,12 +102,7 @@ def run_federated(
     test_set = task.test_set()
     metered = MeteredGrid(grid)
     history = RunHistory(config=config.to_run_config(), listeners=list(listeners))
-    strategy = strategy or FedAvg(
-        fraction_train=config.fraction_train,
-        fraction_evaluate=0.0,
-        min_train_nodes=1,
-        min_available_nodes=config.min_nodes,
-    )
+    strategy = strategy or build_strategy(config)
     initial_arrays = ArrayRecord(model.state_dict())
     done = 0
     if resume is not None:
@@ -159,6 +155,35 @@ def run_federated(
     if config.out_dir:
         write_outputs(history, Path(config.out_dir))
     return history
+
+
+def build_strategy(config: AppConfig) -> Strategy:
+    """The app's strategy: all connected nodes (``fraction_train``) train, no federated evaluation.
+
+    Dense FedAvg (Flower's) unless ``config.codec`` asks for compressed updates, then
+    :class:`StreamingFedAvg` with the configured downloads, server optimizer and screening.
+    """
+    sampling = {
+        "fraction_train": config.fraction_train,
+        "fraction_evaluate": 0.0,
+        "min_train_nodes": 1,
+        "min_available_nodes": config.min_nodes,
+    }
+    if not config.codec:
+        return FedAvg(**sampling)
+    downlink = None
+    if config.downlink_codec:
+        downlink = DownlinkConfig(codec=config.downlink_codec, full_model=config.full_model_codec)
+    compression = CompressionConfig(
+        codec=config.codec,
+        ef_momentum=config.ef_momentum,
+        downlink=downlink,
+        screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio),
+    )
+    optimizer = ServerOptimizer(
+        config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum
+    )
+    return StreamingFedAvg(compression, optimizer, **sampling)
 
 
 def _strategy_round_metrics(strategy: Strategy, server_round: int) -> dict[str, float]:

@@ -41,11 +41,7 @@ from fedge.client.protocol import (
     arrays_to_record,
     record_to_arrays,
 )
-from fedge.compression.codec import Codec
-from fedge.compression.errors import CodecError
-from fedge.compression.feedback import ErrorFeedback
-from fedge.compression.spec import build_codec
-from fedge.compression.wire import DEFAULT_MAX_ELEMENTS
+from fedge.compression import DEFAULT_MAX_ELEMENTS, Codec, CodecError, ErrorFeedback, build_codec
 
 __all__ = ["EF_STATE_KEY", "REFERENCE_INFO_KEY", "REFERENCE_KEY", "CompressionMod"]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from fedge.compression.wire import decode, decode_add
+from fedge.compression import decode, decode_add
 
 __all__ = [
     "APPROXIMATE",

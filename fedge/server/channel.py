@@ -18,8 +18,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from fedge.client.protocol import INSTRUCTION_KEY, Instruction
-from fedge.compression.errors import CodecConfigError
-from fedge.compression.spec import build_codec
+from fedge.compression import CodecConfigError, build_codec
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
 from fedge.server.screening import (
     REJECTION_REASONS,

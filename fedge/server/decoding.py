@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedge.client.protocol import UPDATE_KEY, arrays_to_record, record_to_arrays
-from fedge.compression.wire import decode_add
+from fedge.compression import decode_add
 from fedge.server.channel import CompressedChannel, CompressionConfig
 
 __all__ = ["DecodingStrategy"]

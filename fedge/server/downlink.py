@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedge.client.protocol import APPROXIMATE, FULL, advance_reference, snap_to_grid
-from fedge.compression.codec import Codec
-from fedge.compression.spec import build_codec
+from fedge.compression import Codec, build_codec
 
 __all__ = ["FULL_MODEL_CODECS", "DownlinkConfig", "Download", "ModelBroadcast"]
 

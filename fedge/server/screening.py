@@ -24,8 +24,7 @@ import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
 from fedge.client.protocol import UPDATE_KEY
-from fedge.compression.errors import CodecError, NonFiniteValueError
-from fedge.compression.wire import decode
+from fedge.compression import CodecError, NonFiniteValueError, decode
 
 __all__ = ["REJECTION_REASONS", "Rejected", "ReplyScreen", "ScreenedReply", "norm_outliers", "screen_reply"]
 

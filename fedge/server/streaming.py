@@ -19,8 +19,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedge.client.protocol import arrays_to_record, record_to_arrays
-from fedge.compression.errors import CodecError
-from fedge.compression.wire import decode_add
+from fedge.compression import CodecError, decode_add
 from fedge.server.channel import CompressedChannel, CompressionConfig
 from fedge.server.optimizers import ServerOptimizer
 from fedge.server.screening import Rejected
