@@ -33,7 +33,7 @@ def copy_app(dest: Path) -> Path:
     return dest
 
 
-def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
+def flower_env(flwr_home: Path) -> dict[str, str]:
     """Environment for Flower's processes: private FLWR_HOME, no telemetry, nothing installed at run time."""
     env = dict(os.environ)
     env.update(
@@ -47,7 +47,6 @@ def flower_env(flwr_home: Path, **extra: str) -> dict[str, str]:
         FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.2",
         # Flower starts flower-superexec, flwr-serverapp, flwr-clientapp and flwr-simulation by name.
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
-        **extra,
     )
     return env
 
@@ -92,11 +91,7 @@ def wait_healthy(port: int, process: psutil.Popen, log: Path, timeout_s: float =
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
     """Running processes with ``text`` in their command line (e.g. a SuperLink ``flwr`` started detached)."""
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if text in " ".join(process.info["cmdline"] or ()):
-            found.append(process)
-    return found
+    return [p for p in psutil.process_iter(["cmdline"]) if text in " ".join(p.info["cmdline"] or ())]
 
 
 def stop_trees(roots: list[psutil.Process], timeout_s: float = 15.0) -> list[psutil.Process]:

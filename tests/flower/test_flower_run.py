@@ -13,7 +13,7 @@ SUPERNODES = 4
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_flwr_run_simulates_the_app_with_ray(app_dir, flwr_home, env, cleanup, tmp_path):
+def test_flwr_run_simulates_the_app_with_ray(app_dir, env, cleanup, tmp_path):
     # The managed SuperLink listens on fixed ports by default; free ones keep parallel runs apart.
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(free_port())
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(free_port())
