@@ -127,7 +127,6 @@ class OutgoingTransfer:
         self._acked: set[int] = set()
         self._unacked: dict[int, float] = {}  # chunk -> time last sent
         self._resend: list[int] = []  # chunks to send again, lowest first
-        self._last_progress_s = 0.0
         self._probe_interval_s = ack_timeout_s
         self._next_probe_s = float("inf")
 
@@ -198,7 +197,6 @@ class OutgoingTransfer:
             self._acked.update(held)
             self._resend = [i for i in self._resend if i not in self._acked]
         if progressed:
-            self._last_progress_s = now_s
             self._probe_interval_s = self._ack_timeout_s
             self._next_probe_s = now_s + self._probe_interval_s
         if ack.status is not AckStatus.STATE:
