@@ -22,7 +22,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
-FLWR = [sys.executable, str(Path(__file__).with_name("flwr_typer_compat.py"))]
+FLWR = [str(VENV_BIN / "flwr")]
 
 
 def copy_app(dest: Path) -> Path:
