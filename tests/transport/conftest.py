@@ -55,8 +55,12 @@ def make_config() -> Callable[..., MqttConfig]:
         transfer = TransferSettings(**settings)  # type: ignore[arg-type]
         # Quick reconnects keep tests that cut links short.
         return MqttConfig(
-            broker_url=url, fleet=fleet, protocol=protocol, transfer=transfer, reconnect_max_s=0.5
-        )  # type: ignore[arg-type]
+            broker_url=url,
+            fleet=fleet,
+            protocol=protocol,  # type: ignore[arg-type]
+            transfer=transfer,
+            reconnect_max_s=0.5,
+        )
 
     return make
 
