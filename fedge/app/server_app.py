@@ -25,7 +25,7 @@ from fedge.server.history import RoundMetrics, RunHistory
 from fedge.server.metered_grid import MeteredGrid
 from fedge.server.plots import plot_accuracy, plot_accuracy_vs_upload
 
-__all__ = ["ResumePoint", "app", "make_server_app", "run_federated", "train_config_record"]
+__all__ = ["ResumePoint", "app", "build_strategy", "make_server_app", "run_federated", "train_config_record"]
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def run_federated(
     test_set = task.test_set()
     metered = MeteredGrid(grid)
     history = RunHistory(config=config.to_run_config(), listeners=list(listeners))
-    strategy = strategy or build_strategy(config)
+    strategy = reporter = strategy or build_strategy(config)  # reporter: unwrapped, for per-round figures
     initial_arrays = ArrayRecord(model.state_dict())
     done = 0
     if resume is not None:
@@ -135,7 +135,7 @@ def run_federated(
                     bytes_down=traffic.bytes_down,
                     bytes_up=traffic.bytes_up,
                     wall_s=time.perf_counter() - round_started,
-                    extra=_strategy_round_metrics(strategy, server_round),
+                    extra=_strategy_round_metrics(reporter, server_round),
                 )
             )
             if on_round_end is not None:
