@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -137,11 +138,12 @@ class CompressedChannel:
         self._sent.clear()
         nodes = [message.metadata.dst_node_id for message in messages]
         downloads = self.broadcast.prepare(server_round, model, nodes) if self.broadcast else {}
-        contents: dict[int, RecordDict] = {}  # one content per distinct download, shared by its messages
+        # One content per distinct (original content, download): messages that shared one still do.
+        contents: dict[tuple[int, int], RecordDict] = {}
         for message, node in zip(messages, nodes, strict=True):
             download = downloads.get(node)
             self._sent[node] = (server_round, download)
-            key = id(download)
+            key = (id(message.content), id(download))
             if key not in contents:
                 contents[key] = self._content(message.content, server_round, download, dtypes)
             message.content = contents[key]
@@ -208,6 +210,7 @@ class CompressedChannel:
                 self.broadcast.confirm(node, version, download)
             passed.append(screened)
         outliers = norm_outliers([r.norm for r in passed], self.config.screen)
+        dense_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
         accepted = []
         for screened, outlier in zip(passed, outliers, strict=True):
             if outlier:
@@ -217,7 +220,7 @@ class CompressedChannel:
                 continue
             accepted.append(screened)
             report.payload_bytes += len(screened.payload)
-            report.dense_bytes += 4 * sum(int(np.prod(shape)) for shape in shapes.values())
+            report.dense_bytes += dense_bytes
         report.accepted = len(accepted)
         return accepted
 

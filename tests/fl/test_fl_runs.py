@@ -260,3 +260,19 @@ def test_fedmedian_consumes_compressed_replies_through_the_decoding_wrapper():
     assert [r.extra["accepted"] for r in history.rounds] == [4, 4, 4]
     assert all(r.bytes_up < 4 * DENSE_MODEL_BYTES / 5 for r in history.rounds)
     assert history.rounds[-1].accuracy > history.initial_accuracy + 0.2
+
+
+def test_an_approximate_int8_full_model_is_never_the_base_of_a_delta():
+    grid = LocalGrid(reference_app([CompressionMod()]), 3)
+    downlink = DownlinkConfig("topk:0.1+int8", full_model="int8")
+    strategy = StreamingFedAvg(
+        CompressionConfig("topk:0.1+int8", downlink=downlink), fraction_evaluate=0.0, min_available_nodes=3
+    )
+    history = run(grid, strategy, rounds=2)
+    assert [(r.extra["downloads_full"], r.extra["downloads_delta"]) for r in history.rounds] == [
+        (3, 0),
+        (3, 0),
+    ]
+    assert all(r.clients_replied == 3 and r.extra["rejected"] == 0 for r in history.rounds)
+    # int8 is smaller than the fp16 full model
+    assert history.rounds[0].extra["download_payload_bytes"] < 3 * 2 * 71_754 * 0.6
