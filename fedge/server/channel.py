@@ -68,8 +68,8 @@ class RoundReport:
 
     Parameters
     ----------
-    replies, accepted : int
-        Train replies with content, and those aggregated.
+    accepted : int
+        Train replies aggregated.
     rejected : Counter
         Rejected replies by reason (see :data:`fedge.server.screening.REJECTION_REASONS`).
     payload_bytes, dense_bytes : int
@@ -80,7 +80,6 @@ class RoundReport:
         Model bytes sent in those messages.
     """
 
-    replies: int = 0
     accepted: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     payload_bytes: int = 0
@@ -197,7 +196,6 @@ class CompressedChannel:
                     "round %d: node %d replied with an error: %s", server_round, node, reply.error.reason
                 )
                 continue
-            report.replies += 1
             version, download = self._sent.get(node, (server_round, None))
             try:
                 screened = screen_reply(
