@@ -103,18 +103,16 @@ def simulate(
     )
 
 
-def _configure_logging(verbose: bool, service: bool = False) -> None:
+def _configure_logging(verbose: bool, service: bool = False, json_lines: bool = False) -> None:
     """fedge's logs to stderr; Flower keeps its own handler, quiet unless asked (its INFO is per message).
 
-    Services (coordinator, agent) log at INFO with timestamps: their logs are the operator's record.
+    Services (coordinator, agent) log at INFO with timestamps: their logs are the operator's record;
+    ``json_lines`` makes them machine-readable for a log shipper.
     """
     handler = logging.StreamHandler()
-    fmt = (
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-        if service
-        else "%(levelname)s %(name)s: %(message)s"
-    )
-    handler.setFormatter(logging.Formatter(fmt))
+    prefix = "%(asctime)s " if service else ""
+    text = logging.Formatter(prefix + "%(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(_JsonLines() if json_lines else text)
     fedge_log = logging.getLogger("fedge")
     fedge_log.addHandler(handler)
     fedge_log.setLevel(logging.INFO if verbose or service else logging.WARNING)
@@ -126,6 +124,7 @@ def coordinator(
     config: Path = typer.Option(..., "--config", help="coordinator.toml (state_dir, [mqtt], [app])."),
     resume: bool = typer.Option(False, "--resume", help="Continue after the last completed round."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
+    log_json: bool = typer.Option(False, "--log-json", help="Log one JSON object per line."),
 ) -> None:
     """Run the coordinator service: rounds over MQTT, a checkpoint and an audit log per round."""
     from fedge.server.coordinator import CoordinatorConfig, run_coordinator
@@ -134,7 +133,7 @@ def coordinator(
     with _config_errors():
         settings = CoordinatorConfig.from_toml(config)
         settings.node_keys()
-    _configure_logging(verbose, service=True)
+    _configure_logging(verbose, service=True, json_lines=log_json)
     try:
         history = run_coordinator(settings, resume=resume)
     except (TimeoutError, ConnectionError) as err:
@@ -150,6 +149,7 @@ def agent(
         ..., "--config", help="agent.toml (node_id, state_dir, [mqtt], [node_config])."
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
+    log_json: bool = typer.Option(False, "--log-json", help="Log one JSON object per line."),
 ) -> None:
     """Run the device agent: execute the ClientApp for every instruction from the coordinator."""
     import signal
@@ -160,7 +160,7 @@ def agent(
     with _config_errors():
         settings = AgentConfig.from_toml(config)
         device = DeviceAgent(settings)
-    _configure_logging(verbose, service=True)
+    _configure_logging(verbose, service=True, json_lines=log_json)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -192,6 +192,23 @@ def status(
     typer.echo(f"last accuracy {'-' if accuracy is None else f'{100 * accuracy:.2f}%'}")
     typer.echo(f"online nodes  {len(current['online_nodes'])}: {' '.join(current['online_nodes'])}")
     typer.echo(f"updated       {time.time() - current['updated_at']:.0f} s ago (pid {current['pid']})")
+
+
+class _JsonLines(logging.Formatter):
+    """One JSON object per record: time, level, logger, message (and the exception, if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        entry = {
+            "time": record.created,
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
 
 
 @contextmanager

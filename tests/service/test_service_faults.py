@@ -55,7 +55,7 @@ class _Fleet:
         self.agents[index] = _spawn(["agent", "--config", str(config)], self.root / f"agent-{index}.log")
 
     def start_coordinator(self, resume: bool = False) -> None:
-        args = ["coordinator", "--config", str(self.config)] + (["--resume"] if resume else [])
+        args = ["coordinator", "--config", str(self.config), "--log-json"] + (["--resume"] if resume else [])
         self.coordinator = _spawn(args, self.root / "coordinator.log")
 
     def inbox(self, index: int) -> list[Path]:
@@ -117,4 +117,13 @@ def test_agent_broker_and_coordinator_faults_in_one_run(tmp_path):
     rounds_in_order = [r for _, r in accepted]
     assert rounds_in_order == sorted(rounds_in_order), "an update from a stale round counted"
     assert {r for _, r in accepted} == set(range(1, ROUNDS + 1))
-    assert json.loads((fleet.state / "status.json").read_text())["round"] == ROUNDS
+    logs = (tmp_path / "coordinator.log").read_text().splitlines()
+    records = [json.loads(line) for line in logs if line.startswith("{")]
+    assert any(r["message"].startswith("resuming after round") for r in records)
+    status = subprocess.run(
+        [sys.executable, "-m", "fedge", "status", "--config", str(fleet.config), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(status.stdout)["round"] == ROUNDS

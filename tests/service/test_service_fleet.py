@@ -16,14 +16,16 @@ from fedge.transport import LinkProfile, LossyLinkProxy
 def test_ten_agents_over_mqtt_match_the_local_engine(broker, tmp_path):
     app = AppConfig(rounds=5, seed=7)
     local = run_simulation(SimulationConfig(clients=10, app=app))
-    mqtt = run_mqtt_simulation(10, AppConfig(rounds=5, seed=7, min_nodes=10), broker_url=broker.url, workdir=tmp_path)
+    mqtt = run_mqtt_simulation(
+        10, AppConfig(rounds=5, seed=7, min_nodes=10), broker_url=broker.url, workdir=tmp_path
+    )
     assert [r.clients_replied for r in mqtt.rounds] == [10] * 5
     gap_pp = 100 * abs(mqtt.rounds[-1].accuracy - local.rounds[-1].accuracy)
     assert gap_pp <= 0.5, (mqtt.rounds[-1].accuracy, local.rounds[-1].accuracy)
     assert mqtt.rounds[-1].accuracy > 0.8
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_fifty_agents_through_a_lossy_link_complete_five_rounds(broker, tmp_path):
     profile = LinkProfile(latency_ms=30, jitter_ms=10, rate_bytes_per_s=20e6, reset_mean_s=20.0, seed=1)
     with LossyLinkProxy("127.0.0.1", broker.port, profile) as proxy:
