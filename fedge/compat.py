@@ -9,6 +9,9 @@ back (``flwr.common.serde``), stamping the process-wide task identity that ``Mes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from flwr.app import Context, Message
 from flwr.common import serde
 from flwr.common.constant import SUPERLINK_NODE_ID
@@ -58,14 +61,7 @@ def message_from_bytes(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTE
     MessageDecodeError
         If ``data`` is too large, is not a valid protobuf ``Message`` or its records do not rebuild.
     """
-    if len(data) > max_bytes:
-        raise MessageDecodeError(f"message of {len(data)} bytes exceeds the cap of {max_bytes} bytes")
-    proto = ProtoMessage()
-    try:
-        proto.ParseFromString(data)
-        return serde.message_from_proto(proto)
-    except (DecodeError, ValueError, TypeError, KeyError) as err:
-        raise MessageDecodeError(f"not a Flower message: {err}") from err
+    return _parse(ProtoMessage, serde.message_from_proto, data, max_bytes, "message")
 
 
 def context_to_bytes(context: Context) -> bytes:
@@ -75,14 +71,7 @@ def context_to_bytes(context: Context) -> bytes:
 
 def context_from_bytes(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Context:
     """Decode bytes from :func:`context_to_bytes`; raises :class:`MessageDecodeError` on bad input."""
-    if len(data) > max_bytes:
-        raise MessageDecodeError(f"context of {len(data)} bytes exceeds the cap of {max_bytes} bytes")
-    proto = ProtoContext()
-    try:
-        proto.ParseFromString(data)
-        return serde.context_from_proto(proto)
-    except (DecodeError, ValueError, TypeError, KeyError) as err:
-        raise MessageDecodeError(f"not a Flower context: {err}") from err
+    return _parse(ProtoContext, serde.context_from_proto, data, max_bytes, "context")
 
 
 def set_message_id(message: Message, message_id: str) -> None:
@@ -102,3 +91,15 @@ def make_run(run_id: int, override_config: dict | None = None) -> Run:
     run = Run.create_empty(run_id=run_id)
     run.override_config = dict(override_config or {})
     return run
+
+
+def _parse(proto_type: type, from_proto: Callable[[Any], Any], data: bytes, max_bytes: int, what: str) -> Any:
+    """Check the size cap, parse the protobuf, rebuild the Flower object; failures are MessageDecodeError."""
+    if len(data) > max_bytes:
+        raise MessageDecodeError(f"{what} of {len(data)} bytes exceeds the cap of {max_bytes} bytes")
+    proto = proto_type()
+    try:
+        proto.ParseFromString(data)
+        return from_proto(proto)
+    except (DecodeError, ValueError, TypeError, KeyError) as err:
+        raise MessageDecodeError(f"not a Flower {what}: {err}") from err

@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from torch import nn
 
 from fedge.app.task import Task, TensorData, TrainConfig, load_task
 from fedge.client.compression_mod import CompressionMod
@@ -25,9 +26,7 @@ app = ClientApp(mods=[CompressionMod()])
 def train(msg: Message, context: Context) -> Message:
     """Load the global model, train on the local partition, reply with the new weights."""
     config = msg.content["config"]
-    task = _task(str(config["task"]))
-    model = task.model()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    task, model = _received_model(msg)
     partition_id = int(context.node_config["partition-id"])
     train_config = TrainConfig(
         epochs=int(config["local-epochs"]),
@@ -44,9 +43,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on the local partition."""
     config = msg.content["config"]
-    task = _task(str(config["task"]))
-    model = task.model()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    task, model = _received_model(msg)
     metrics = task.evaluate(model, _partition(config, context))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
@@ -59,6 +56,14 @@ def local_seed(seed: int, partition_id: int, server_round: int) -> int:
 @lru_cache(maxsize=4)
 def _task(path: str) -> Task:
     return load_task(path)
+
+
+def _received_model(msg: Message) -> tuple[Task, nn.Module]:
+    """The instruction's task and its model, loaded with the weights that came with it."""
+    task = _task(str(msg.content["config"]["task"]))
+    model = task.model()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    return task, model
 
 
 def _partition(config: ConfigRecord, context: Context) -> TensorData:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
 from fedge.compat import Run, message_to_bytes
+from fedge.grid_base import RunGrid
 
 __all__ = ["MeteredGrid", "RoundTraffic"]
 
@@ -28,7 +29,7 @@ class RoundTraffic:
     bytes_up: int = 0
 
 
-class MeteredGrid(Grid):
+class MeteredGrid(RunGrid):
     """Delegate to ``grid`` and count its traffic until :meth:`take` hands the count over.
 
     Flower's strategies leave ``group_id`` empty, so rounds are delimited by the caller: the ServerApp
@@ -55,16 +56,6 @@ class MeteredGrid(Grid):
     @property
     def run(self) -> Run:
         return self._grid.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
         return self._grid.get_node_ids()

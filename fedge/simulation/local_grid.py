@@ -19,16 +19,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
-from flwr.serverapp import Grid
 
-from fedge.compat import SUPERLINK_NODE_ID, Run, message_from_bytes, message_to_bytes, set_message_id
+from fedge.compat import SUPERLINK_NODE_ID, message_from_bytes, message_to_bytes, set_message_id
+from fedge.grid_base import RunGrid
 
 __all__ = ["LocalGrid"]
 
 log = logging.getLogger(__name__)
 
 
-class LocalGrid(Grid):
+class LocalGrid(RunGrid):
     """Run ``client_app`` for ``num_nodes`` virtual nodes in this process.
 
     Parameters
@@ -46,8 +46,8 @@ class LocalGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1, workers: int = 2) -> None:
         if num_nodes < 1:
             raise ValueError("num_nodes must be >= 1")
+        super().__init__(run_id)
         self._client_app = client_app
-        self._run = Run.create_empty(run_id)
         # Node ids follow the SuperLink's own id, which Flower reserves.
         self.contexts: dict[int, Context] = {
             SUPERLINK_NODE_ID + 1 + i: Context(
@@ -61,23 +61,6 @@ class LocalGrid(Grid):
         }
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fedge-client")
         self._pending: dict[str, Future[bytes]] = {}
-
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)

@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Message, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import Message
 
-from fedge.compat import SUPERLINK_NODE_ID, MessageDecodeError, Run, message_from_bytes, message_to_bytes
+from fedge.compat import SUPERLINK_NODE_ID, MessageDecodeError, message_from_bytes, message_to_bytes
 from fedge.compat import set_message_id as _set_message_id
+from fedge.grid_base import RunGrid
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
 from fedge.transport.signing import SignatureError, verify
@@ -52,7 +52,7 @@ class _Awaited:
     server_round: str
 
 
-class MqttGrid(Grid):
+class MqttGrid(RunGrid):
     """Flower Grid whose nodes are MQTT device agents.
 
     Parameters
@@ -75,7 +75,7 @@ class MqttGrid(Grid):
         max_message_bytes: int = 256 * 1024 * 1024,
         audit: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        self._run = Run.create_empty(0)
+        super().__init__()
         self._node_keys = dict(node_keys) if node_keys is not None else None
         self._max_message_bytes = max_message_bytes
         self._audit = audit
@@ -113,23 +113,6 @@ class MqttGrid(Grid):
         return True
 
     # -- Grid ------------------------------------------------------------------------------------------
-
-    def set_run(self, run: Run) -> None:
-        self._run = run
-
-    @property
-    def run(self) -> Run:
-        return self._run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:
         return sorted(flower_node_id(name) for name in self.endpoint.online_nodes())

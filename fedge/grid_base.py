@@ -1,0 +1,41 @@
+"""What every fedge Grid shares: the run it belongs to and Flower's deprecated ``create_message``."""
+
+from __future__ import annotations
+
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedge.compat import Run
+
+__all__ = ["RunGrid"]
+
+
+class RunGrid(Grid):
+    """A Flower ``Grid`` that holds its ``Run``; subclasses implement the node and message methods.
+
+    Parameters
+    ----------
+    run_id : int (default: 0)
+        The run until :meth:`set_run` names another.
+    """
+
+    def __init__(self, run_id: int = 0) -> None:
+        self._run = Run.create_empty(run_id)
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """Deprecated in Flower (still abstract there): build the ``Message`` directly instead."""
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
