@@ -9,7 +9,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test soak install lint format mosquitto clean
+.PHONY: demo test install lint format mosquitto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -41,9 +41,6 @@ format: install
 
 test: install mosquitto lint
 	$(BIN)/pytest -q -p no:cacheprovider
-
-soak: install mosquitto
-	$(BIN)/pytest -q -p no:cacheprovider -m soak
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

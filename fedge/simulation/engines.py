@@ -8,7 +8,6 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -57,8 +56,6 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
 
 
 def _run_local(config: SimulationConfig, app_config, listeners: list[RoundListener]) -> RunHistory:
-    # One intra-op thread per worker: tiny models gain nothing from more, and results stay reproducible.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.workers))
     set_task_identity(run_id=_RUN_ID)
     grid = LocalGrid(client_app, config.clients, run_id=_RUN_ID, workers=config.workers)
     try:

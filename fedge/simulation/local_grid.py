@@ -1,31 +1,69 @@
-"""An in-process Flower Grid: virtual nodes run the ClientApp on a worker pool.
+"""A Flower Grid for one machine: virtual nodes run the ClientApp on a pool of worker processes.
 
 Flower's own simulation engine starts Ray, an actor per worker and a SuperLink state machine: seconds of
 overhead per run that dominate small experiments. :class:`LocalGrid` keeps only what the semantics need:
 one ``Context`` per virtual node that persists across rounds (so client state such as error-feedback
 residuals survives), messages that cross a serialization boundary (so the server and the clients never
-share arrays, and what is counted is what would travel) and a thread pool (torch releases the GIL in its
-kernels). Replies come back in the order the messages were pushed, so equal seeds give equal runs.
+share arrays, and what is counted is what would travel) and a pool of forked worker processes (client
+training is Python-heavy, so threads would queue on the GIL). Replies come back in the order the messages
+were pushed, so equal seeds give equal runs.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 
+import torch
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from fedge.compat import SUPERLINK_NODE_ID, message_from_bytes, message_to_bytes, set_message_id
+from fedge.compat import (
+    SUPERLINK_NODE_ID,
+    context_from_bytes,
+    context_to_bytes,
+    message_from_bytes,
+    message_to_bytes,
+    set_message_id,
+)
 from fedge.grid_base import RunGrid
 
 __all__ = ["LocalGrid"]
 
 log = logging.getLogger(__name__)
+
+# The ClientApp of this worker process: inherited through fork, so it need not be importable or picklable.
+_worker_app: ClientApp | None = None
+
+
+def _init_worker(client_app: ClientApp) -> None:
+    global _worker_app
+    _worker_app = client_app
+    # One intra-op thread per worker process: the pool is the parallelism (and forked OpenMP pools hang).
+    torch.set_num_threads(1)
+
+
+def _call_in_worker(message: bytes, context: bytes) -> tuple[bytes, bytes]:
+    assert _worker_app is not None
+    return _call_client(_worker_app, message, context)
+
+
+def _call_client(client_app: ClientApp, payload: bytes, context_bytes: bytes) -> tuple[bytes, bytes]:
+    """One ClientApp call, as a SuperNode makes it: message and context in, reply and new context out."""
+    message = message_from_bytes(payload)
+    context = context_from_bytes(context_bytes)
+    try:
+        reply = client_app(message, context)
+    except Exception as err:  # a failing client must not stop the round
+        log.warning("ClientApp on node %s raised: %r", context.node_id, err)
+        reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(err)), reply_to=message)
+    set_message_id(reply, uuid.uuid4().hex)
+    return message_to_bytes(reply), context_to_bytes(context)
 
 
 class LocalGrid(RunGrid):
@@ -40,15 +78,26 @@ class LocalGrid(RunGrid):
     run_id : int (default: 1)
         The run the node contexts belong to.
     workers : int (default: 2)
-        Threads running ClientApps at once.
+        ClientApps running at once.
+    processes : bool, optional
+        Run them in forked worker processes (default when ``workers > 1``) or in threads of this process.
+        Calls for one node never overlap within a round, so its Context is updated by one call at a time.
     """
 
-    def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1, workers: int = 2) -> None:
+    def __init__(
+        self,
+        client_app: ClientApp,
+        num_nodes: int,
+        run_id: int = 1,
+        workers: int = 2,
+        processes: bool | None = None,
+    ) -> None:
         if num_nodes < 1:
             raise ValueError("num_nodes must be >= 1")
         super().__init__(run_id)
         self._client_app = client_app
-        # Node ids follow the SuperLink's own id, which Flower reserves.
+        # Node ids follow the SuperLink's own id, which Flower reserves. A node's Context goes to the worker
+        # with each call and comes back updated, as it would to and from a SuperNode's ClientApp process.
         self.contexts: dict[int, Context] = {
             SUPERLINK_NODE_ID + 1 + i: Context(
                 run_id=run_id,
@@ -59,8 +108,16 @@ class LocalGrid(RunGrid):
             )
             for i in range(num_nodes)
         }
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fedge-client")
-        self._pending: dict[str, Future[bytes]] = {}
+        if processes is None:
+            processes = workers > 1 and "fork" in multiprocessing.get_all_start_methods()
+        self._pool: Executor
+        if processes:
+            self._pool = ProcessPoolExecutor(
+                workers, multiprocessing.get_context("fork"), initializer=_init_worker, initargs=(client_app,)
+            )
+        else:
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fedge-client")
+        self._pending: dict[str, tuple[int, Future[tuple[bytes, bytes]]]] = {}
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
@@ -68,21 +125,29 @@ class LocalGrid(RunGrid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for message in messages:
-            if message.metadata.dst_node_id not in self.contexts:
-                raise ValueError(f"no node {message.metadata.dst_node_id} in this grid")
+            node_id = message.metadata.dst_node_id
+            if node_id not in self.contexts:
+                raise ValueError(f"no node {node_id} in this grid")
             message_id = uuid.uuid4().hex
             set_message_id(message, message_id)
-            self._pending[message_id] = self._pool.submit(self._handle, message_to_bytes(message))
+            payload, context = message_to_bytes(message), context_to_bytes(self.contexts[node_id])
+            if isinstance(self._pool, ProcessPoolExecutor):
+                future = self._pool.submit(_call_in_worker, payload, context)
+            else:
+                future = self._pool.submit(_call_client, self._client_app, payload, context)
+            self._pending[message_id] = (node_id, future)
             ids.append(message_id)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = []
         for message_id in message_ids:
-            future = self._pending.get(message_id)
+            node_id, future = self._pending.get(message_id, (0, None))
             if future is not None and future.done():
                 del self._pending[message_id]
-                replies.append(message_from_bytes(future.result()))
+                reply, context = future.result()
+                self.contexts[node_id] = context_from_bytes(context)
+                replies.append(message_from_bytes(reply))
         return replies
 
     def send_and_receive(
@@ -94,7 +159,7 @@ class LocalGrid(RunGrid):
         for message_id in ids:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._pending[message_id].result(timeout=remaining)
+                self._pending[message_id][1].result(timeout=remaining)
             except TimeoutError:
                 log.warning("message %s got no reply within %.1f s", message_id, timeout)
                 continue
@@ -104,17 +169,3 @@ class LocalGrid(RunGrid):
     def shutdown(self) -> None:
         """Stop the worker pool (pending ClientApp calls finish first)."""
         self._pool.shutdown(wait=True)
-
-    def _handle(self, payload: bytes) -> bytes:
-        """One ClientApp call, as a SuperNode would make it: bytes in, reply bytes out."""
-        message = message_from_bytes(payload)
-        context = self.contexts[message.metadata.dst_node_id]
-        try:
-            reply = self._client_app(message, context)
-        except Exception as err:  # a failing client must not stop the round
-            log.warning("ClientApp on node %s raised: %r", context.node_id, err)
-            reply = Message(
-                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(err)), reply_to=message
-            )
-        set_message_id(reply, uuid.uuid4().hex)
-        return message_to_bytes(reply)

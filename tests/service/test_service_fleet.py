@@ -25,7 +25,7 @@ def test_ten_agents_over_mqtt_match_the_local_engine(broker, tmp_path):
     assert mqtt.rounds[-1].accuracy > 0.8
 
 
-@pytest.mark.soak
+@pytest.mark.slow
 def test_fifty_agents_through_a_lossy_link_complete_five_rounds(broker, tmp_path):
     profile = LinkProfile(latency_ms=30, jitter_ms=10, rate_bytes_per_s=20e6, reset_mean_s=20.0, seed=1)
     with LossyLinkProxy("127.0.0.1", broker.port, profile) as proxy:
