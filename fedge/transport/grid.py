@@ -27,6 +27,7 @@ from fedge.compat import set_message_id as _set_message_id
 from fedge.grid_base import RunGrid
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
+from fedge.transport.sender import TransferError
 from fedge.transport.signing import SignatureError, verify
 
 __all__ = ["PROFILE_PREFIX", "MqttGrid", "flower_node_id"]
@@ -132,9 +133,15 @@ class MqttGrid(RunGrid):
             _set_message_id(message, message_id)
             with self._cond:
                 self._awaited[message_id] = _Awaited(name, _round_of(message))
-            self.endpoint.send(
-                name, message_to_bytes(message), message_id=message_id, expiry_s=message.metadata.ttl
-            )
+            try:
+                self.endpoint.send(
+                    name, message_to_bytes(message), message_id=message_id, expiry_s=message.metadata.ttl
+                )
+            except (ValueError, TransferError) as err:  # too large, or the channel is closing
+                log.error("instruction for node %s not sent: %s", name, err)
+                with self._cond:
+                    del self._awaited[message_id]
+                continue
             ids.append(message_id)
         return ids
 

@@ -190,3 +190,16 @@ def test_agent_state_survives_a_restart(mqtt, tmp_path, monkeypatch, crash_after
         second.close()
     assert reply.content["metrics"]["count"] == 2  # the counter in context.state survived the restart
     assert runs == [1, 2]  # nothing trained twice
+
+
+def test_an_instruction_the_channel_refuses_is_skipped_not_fatal(mqtt, caplog):
+    from fedge.transport import TransferSettings
+
+    with MqttGrid(mqtt(transfer=TransferSettings(max_message_bytes=100))) as grid:
+        node = _node(mqtt, "erin")
+        try:
+            assert grid.wait_for_nodes(1, timeout=20)
+            assert list(grid.send_and_receive([_instruction(grid, "erin")], timeout=1)) == []
+        finally:
+            node.close()
+    assert "not sent" in caplog.text and not grid._awaited
