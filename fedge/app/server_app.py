@@ -10,9 +10,10 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
@@ -203,11 +204,13 @@ def write_outputs(history: RunHistory, out_dir: Path) -> None:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where a restarted run picks up: the last completed round, its global model and the history so far."""
+    """Where a restarted run picks up: the last completed round, its global model, the history so far and
+    the strategy's own state (server-optimizer moments, the download reference), if it has any."""
 
     completed_round: int
     arrays: ArrayRecord
     history: RunHistory
+    strategy_state: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class _RoundOffset(Strategy):

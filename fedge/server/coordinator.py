@@ -28,7 +28,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 
 from fedge.app.config import AppConfig, ConfigError, read_toml
-from fedge.app.server_app import ResumePoint, RoundListener, run_federated
+from fedge.app.server_app import ResumePoint, RoundListener, build_strategy, run_federated
 from fedge.atomic import write_bytes_atomic, write_json_atomic
 from fedge.compat import set_task_identity
 from fedge.server.history import RoundMetrics, RunHistory
@@ -128,25 +128,44 @@ def run_coordinator(
                     f"fewer than {config.app.min_nodes} nodes online after {config.wait_for_nodes_s} s"
                 )
 
+            strategy = build_strategy(config.app)
+            if resume_point is not None and hasattr(strategy, "load_state_dict"):
+                strategy.load_state_dict(resume_point.strategy_state)
+
             def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
-                save_checkpoint(state_dir, server_round, arrays, history)
+                strategy_state = strategy.state_dict() if hasattr(strategy, "state_dict") else {}
+                save_checkpoint(state_dir, server_round, arrays, history, strategy_state)
                 audit.sync()
 
             return run_federated(
                 grid,
                 config.app,
                 [*listeners, status.on_round],
+                strategy=strategy,
                 resume=resume_point,
                 on_round_end=checkpoint,
                 timeout=config.round_timeout_s,
             )
 
 
-def save_checkpoint(state_dir: Path, server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
-    """Global model and history after ``server_round``, replacing the previous checkpoint atomically."""
+def save_checkpoint(
+    state_dir: Path,
+    server_round: int,
+    arrays: ArrayRecord,
+    history: RunHistory,
+    strategy_state: dict[str, np.ndarray] | None = None,
+) -> None:
+    """Global model, history and strategy state after ``server_round``; replaces the last one atomically."""
     buffer = io.BytesIO()
-    meta = {"round": server_round, "history": history.to_json(), "names": list(arrays.keys())}
+    strategy_state = strategy_state or {}
+    meta = {
+        "round": server_round,
+        "history": history.to_json(),
+        "names": list(arrays.keys()),
+        "strategy_names": list(strategy_state),
+    }
     tensors = {f"a{i}": arrays[name].numpy() for i, name in enumerate(arrays.keys())}
+    tensors.update({f"s{i}": np.asarray(value) for i, value in enumerate(strategy_state.values())})
     np.savez(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **tensors)
     write_bytes_atomic(state_dir / _CHECKPOINT, buffer.getvalue())
 
@@ -162,6 +181,8 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
             arrays = ArrayRecord(
                 {name: Array(np.array(data[f"a{i}"])) for i, name in enumerate(meta["names"])}
             )
+            names = meta.get("strategy_names", [])
+            strategy_state = {name: np.array(data[f"s{i}"]) for i, name in enumerate(names)}
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"checkpoint {path} cannot be read: {err}") from None
     saved = meta["history"]
@@ -171,7 +192,7 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
         history.rounds.append(
             RoundMetrics(**{k: row[k] for k in known}, extra={k: v for k, v in row.items() if k not in known})
         )
-    return ResumePoint(completed_round=int(meta["round"]), arrays=arrays, history=history)
+    return ResumePoint(int(meta["round"]), arrays, history, strategy_state)
 
 
 def read_status(state_dir: str | Path) -> dict[str, Any]:

@@ -89,6 +89,22 @@ class ServerOptimizer:
                 direction *= np.float32(lr)
             params[name] += direction
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The step count and moment buffers, as flat named arrays (what a checkpoint stores)."""
+        state = {"steps": np.array(self.steps, dtype=np.int64)}
+        for kind, buffers in self._state.items():
+            state.update({f"{kind}/{name}": buffer for name, buffer in buffers.items()})
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore what :meth:`state_dict` returned (a resumed coordinator continues its momentum)."""
+        self.steps = int(state.get("steps", 0))
+        self._state = {}
+        for key, value in state.items():
+            if key != "steps":
+                kind, _, name = key.partition("/")
+                self._state.setdefault(kind, {})[name] = np.array(value, dtype=np.float32)
+
     def _adam_direction(self, name: str, delta: np.ndarray) -> None:
         """Update both moments and overwrite ``delta`` with ``m / (√s + τ)``."""
         first = self._buffer("m", name, delta)

@@ -11,7 +11,7 @@ one decoded reply) on top of the model. The sum is the averaged client update ``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -163,3 +163,16 @@ class StreamingFedAvg(FedAvg):
     def round_metrics(self, server_round: int) -> dict[str, float]:
         """Bytes, compression ratio and rejections of ``server_round``."""
         return self.channel.round_metrics(server_round)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The server optimizer's state, as flat named arrays (the coordinator checkpoints it).
+
+        The download reference is deliberately not part of it: a coordinator that crashed may already have
+        sent the next round's delta, so after a restart no client's version is trusted and the first round
+        sends full models.
+        """
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_dict` after a restart: server momentum and Adam moments continue."""
+        self.optimizer.load_state_dict(state)

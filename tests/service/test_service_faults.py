@@ -47,6 +47,7 @@ class _Fleet:
             f'state_dir = "{self.state}"\nround_timeout_s = 60.0\nwait_for_nodes_s = 120.0\n'
             f'[mqtt]\nbroker_url = "{broker.url}"\nfleet = "sim"\nreconnect_max_s = 0.5\n'
             f'[app]\nrounds = {ROUNDS}\nmin_nodes = {AGENTS}\nlocal_epochs = 8\nout_dir = "{root / "out"}"\n'
+            'codec = "topk:0.05+int8"\ndownlink_codec = "topk:0.2+int8"\n'
         )
         self.coordinator: subprocess.Popen[bytes] | None = None
 
