@@ -35,6 +35,7 @@ def run_mqtt_simulation(
     listeners: Iterable[RoundListener] = (),
     broker_url: str = "",
     workdir: str | Path | None = None,
+    coordinator_url: str | None = None,
 ) -> RunHistory:
     """Start (or use) a broker, ``clients`` agent processes and the coordinator; run the app; stop them.
 
@@ -50,6 +51,9 @@ def run_mqtt_simulation(
         An existing broker (``mqtt://host:port``); empty starts fedge's embedded broker.
     workdir : path, optional
         Agent configs, state and logs; a temporary directory if None.
+    coordinator_url : str, optional
+        Where the coordinator connects, if not ``broker_url`` (e.g. agents behind a lossy-link proxy and the
+        coordinator on the broker's own network).
     """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="fedge-mqtt-sim-"))
     with ExitStack() as stack:
@@ -61,7 +65,7 @@ def run_mqtt_simulation(
         ]
         stack.callback(_stop_all, agents)
         config = CoordinatorConfig(
-            mqtt=MqttConfig(broker_url=broker_url, fleet=_FLEET),
+            mqtt=MqttConfig(broker_url=coordinator_url or broker_url, fleet=_FLEET),
             state_dir=str(workdir / "coordinator"),
             app=app_config,
             wait_for_nodes_s=60.0 + 2.0 * clients,
