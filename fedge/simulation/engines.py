@@ -1,9 +1,8 @@
-"""Simulation engines: the same ServerApp and ClientApp on fedge's local Grid or on Flower's Ray engine."""
+"""Simulation engines: the same ServerApp and ClientApp on fedge's local Grid, Flower's Ray engine or MQTT."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -12,6 +11,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedge.app.client_app import app as client_app
+from fedge.app.config import AppConfig
 from fedge.app.server_app import RoundListener, run_federated
 from fedge.app.task import load_task
 from fedge.compat import set_task_identity
@@ -20,8 +20,6 @@ from fedge.simulation.config import SimulationConfig
 from fedge.simulation.local_grid import LocalGrid
 
 __all__ = ["run_simulation"]
-
-log = logging.getLogger(__name__)
 
 _RUN_ID = 1
 
@@ -55,7 +53,7 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
     return _run_local(config, app_config, list(listeners))
 
 
-def _run_local(config: SimulationConfig, app_config, listeners: list[RoundListener]) -> RunHistory:
+def _run_local(config: SimulationConfig, app_config: AppConfig, listeners: list[RoundListener]) -> RunHistory:
     set_task_identity(run_id=_RUN_ID)
     grid = LocalGrid(client_app, config.clients, run_id=_RUN_ID, workers=config.workers)
     try:
@@ -64,7 +62,7 @@ def _run_local(config: SimulationConfig, app_config, listeners: list[RoundListen
         grid.shutdown()
 
 
-def _run_ray(config: SimulationConfig, app_config, listeners: list[RoundListener]) -> RunHistory:
+def _run_ray(config: SimulationConfig, app_config: AppConfig, listeners: list[RoundListener]) -> RunHistory:
     from flwr.simulation import run_simulation as flower_run_simulation
 
     histories: list[RunHistory] = []
