@@ -1,6 +1,8 @@
-"""What every fedge Grid shares: the run it belongs to and Flower's deprecated ``create_message``."""
+"""What every fedge Grid shares: its run, Flower's deprecated ``create_message`` and a wire-size report."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -13,6 +15,9 @@ __all__ = ["RunGrid"]
 class RunGrid(Grid):
     """A Flower ``Grid`` that holds its ``Run``; subclasses implement the node and message methods.
 
+    fedge's Grids serialize every message they carry anyway, so they report its size through
+    :attr:`on_wire` (``callback(message, nbytes)``) instead of making a meter serialize it again.
+
     Parameters
     ----------
     run_id : int (default: 0)
@@ -21,6 +26,12 @@ class RunGrid(Grid):
 
     def __init__(self, run_id: int = 0) -> None:
         self._run = Run.create_empty(run_id)
+        self.on_wire: Callable[[Message, int], None] | None = None
+
+    def _report_wire(self, message: Message, data: bytes | bytearray) -> None:
+        """Tell :attr:`on_wire` how many bytes ``message`` took on the wire."""
+        if self.on_wire is not None:
+            self.on_wire(message, len(data))
 
     def set_run(self, run: Run) -> None:
         self._run = run

@@ -42,8 +42,13 @@ class MeteredGrid(RunGrid):
     """
 
     def __init__(self, grid: Grid) -> None:
+        super().__init__()
         self._grid = grid
         self._traffic = RoundTraffic()
+        # fedge's own Grids report the bytes they put on the wire; others' messages are serialized here.
+        self._grid_reports_bytes = isinstance(grid, RunGrid)
+        if self._grid_reports_bytes:
+            grid.on_wire = self._count_bytes
 
     def take(self) -> RoundTraffic:
         """The traffic since the previous call; the count starts again from zero."""
@@ -81,17 +86,24 @@ class MeteredGrid(RunGrid):
 
     def _count_sent(self, messages: list[Message]) -> None:
         for message in messages:
-            traffic = self._traffic
-            traffic.sampled += message.metadata.message_type == MessageType.TRAIN
-            traffic.bytes_down += len(message_to_bytes(message))
+            self._traffic.sampled += message.metadata.message_type == MessageType.TRAIN
+            if not self._grid_reports_bytes:
+                self._count_bytes(message, len(message_to_bytes(message)))
 
     def _count_received(self, replies: list[Message]) -> None:
         for reply in replies:
-            traffic = self._traffic
-            traffic.bytes_up += len(message_to_bytes(reply))
+            if not self._grid_reports_bytes:
+                self._count_bytes(reply, len(message_to_bytes(reply)))
             if reply.metadata.message_type != MessageType.TRAIN:
                 continue
             if reply.has_error():
-                traffic.failed += 1
+                self._traffic.failed += 1
             else:
-                traffic.replied += 1
+                self._traffic.replied += 1
+
+    def _count_bytes(self, message: Message, nbytes: int) -> None:
+        """Instructions go down, replies (which answer a message) come up."""
+        if message.metadata.reply_to_message_id:
+            self._traffic.bytes_up += nbytes
+        else:
+            self._traffic.bytes_down += nbytes

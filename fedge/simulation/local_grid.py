@@ -131,6 +131,7 @@ class LocalGrid(RunGrid):
             message_id = uuid.uuid4().hex
             set_message_id(message, message_id)
             payload, context = message_to_bytes(message), context_to_bytes(self.contexts[node_id])
+            self._report_wire(message, payload)
             if isinstance(self._pool, ProcessPoolExecutor):
                 future = self._pool.submit(_call_in_worker, payload, context)
             else:
@@ -145,9 +146,11 @@ class LocalGrid(RunGrid):
             node_id, future = self._pending.get(message_id, (0, None))
             if future is not None and future.done():
                 del self._pending[message_id]
-                reply, context = future.result()
+                reply_bytes, context = future.result()
                 self.contexts[node_id] = context_from_bytes(context)
-                replies.append(message_from_bytes(reply))
+                reply = message_from_bytes(reply_bytes)
+                self._report_wire(reply, reply_bytes)
+                replies.append(reply)
         return replies
 
     def send_and_receive(

@@ -133,15 +133,15 @@ class MqttGrid(RunGrid):
             _set_message_id(message, message_id)
             with self._cond:
                 self._awaited[message_id] = _Awaited(name, _round_of(message))
+            payload = message_to_bytes(message)
             try:
-                self.endpoint.send(
-                    name, message_to_bytes(message), message_id=message_id, expiry_s=message.metadata.ttl
-                )
+                self.endpoint.send(name, payload, message_id=message_id, expiry_s=message.metadata.ttl)
             except (ValueError, TransferError) as err:  # too large, or the channel is closing
                 log.error("instruction for node %s not sent: %s", name, err)
                 with self._cond:
                     del self._awaited[message_id]
                 continue
+            self._report_wire(message, payload)
             ids.append(message_id)
         return ids
 
@@ -203,6 +203,7 @@ class MqttGrid(RunGrid):
             del self._awaited[instruction_id]
             self._finish(instruction_id)
             _set_message_id(reply, uuid.uuid4().hex)
+            self._report_wire(reply, delivery.payload)
             self._replies[instruction_id] = reply
             self._cond.notify_all()
         self._record("accepted", delivery.node_id, awaited.server_round, instruction=instruction_id)
