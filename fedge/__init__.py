@@ -3,9 +3,9 @@
 Subpackages
 -----------
 server        coordinator: strategies, aggregation, checkpoints, the coordinator service
-client        client side: mods, training, device agent, ONNX Runtime inference
+client        client side: the compression mod, the device agent
 compression   codecs, error feedback, wire format (pure numpy)
-partitioning  graph capture, cost model, planner, stage export, pipeline runtime
+partitioning  model partitioning (planned: graph capture, cost model, planner, stage export)
 transport     MQTT channel, Flower Grid over MQTT, broker helpers, lossy-link proxy
 simulation    engines, device/link profiles, datasets
 app           the reference Flower app and task

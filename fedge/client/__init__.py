@@ -1,4 +1,4 @@
-"""Client side: mods, training, the device agent, ONNX Runtime inference."""
+"""Client side: the compression mod and the device agent."""
 
 from fedge.client.compression_mod import CompressionMod
 

@@ -1,1 +1,1 @@
-"""Model partitioning: graph capture, cost model, planner, stage export, pipeline runtime."""
+"""Model partitioning across devices (planned: graph capture, cost model, planner, stage export, pipeline)."""
