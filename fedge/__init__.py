@@ -7,7 +7,7 @@ client        client side: the compression mod, the device agent
 compression   codecs, error feedback, wire format (pure numpy)
 partitioning  model partitioning (planned: graph capture, cost model, planner, stage export)
 transport     MQTT channel, Flower Grid over MQTT, broker helpers, lossy-link proxy
-simulation    engines, device/link profiles, datasets
+simulation    engines (local, Ray, MQTT), configuration, progress display
 app           the reference Flower app and task
 """
 
