@@ -194,7 +194,7 @@ class NodeEndpoint(_Endpoint):
     config : MqttConfig
         Connection and transfer settings; ``client_id`` defaults to ``fedge-<fleet>-<node_id>``.
     node_id : str
-        This node's id (one topic level: letters, digits, ``_.:-``).
+        This node's id (one topic level: letters, digits, ``_.-``).
     on_message : callable(Delivery), optional
         Called from a delivery thread for each message; without it use :meth:`receive`.
     """

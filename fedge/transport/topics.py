@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 __all__ = ["Topics", "ack_topic", "validate_name"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+# No ":" — node ids double as MQTT usernames, and Mosquitto's password file is "user:hash" per line.
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 def validate_name(value: str, what: str) -> str:
-    """Return ``value`` if it is a safe topic level (letters, digits, ``_.:-``, 1-64 chars), else raise."""
+    """Return ``value`` if it is a safe topic level (letters, digits, ``_.-``, 1-64 chars), else raise."""
     if not isinstance(value, str) or not _NAME.match(value):
-        raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_', '.', ':' or '-'")
+        raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'")
     return value
 
 

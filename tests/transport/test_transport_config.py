@@ -63,9 +63,10 @@ def test_bad_transfer_settings_name_the_field(changes: dict[str, object], messag
         TransferSettings(**changes)  # type: ignore[arg-type]
 
 
-def test_bad_node_id_is_a_config_error() -> None:
+@pytest.mark.parametrize("node_id", ["bad/id", "user:name", "", "+"])
+def test_bad_node_id_is_a_config_error(node_id: str) -> None:
     with pytest.raises(ConfigError, match="node id"):
-        NodeEndpoint(MqttConfig(), "bad/id")
+        NodeEndpoint(MqttConfig(), node_id)
 
 
 def test_topic_tree_and_node_ids_from_topics() -> None:
