@@ -26,7 +26,7 @@ from fedge.server.screening import (
     Rejected,
     ReplyScreen,
     ScreenedReply,
-    norm_outliers,
+    ratio_outliers,
     screen_reply,
 )
 
@@ -207,14 +207,19 @@ class CompressedChannel:
             if self.broadcast is not None and download is not None:
                 self.broadcast.confirm(node, version, download)
             passed.append(screened)
-        outliers = norm_outliers([r.norm for r in passed], self.config.screen)
+        screen = self.config.screen
+        norms, weights = [r.norm for r in passed], [r.weight for r in passed]
+        norm_outliers = ratio_outliers(norms, screen.max_norm_ratio, screen.min_replies)
+        weight_outliers = ratio_outliers(weights, screen.max_weight_ratio, screen.min_replies)
         dense_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
         accepted = []
-        for screened, outlier in zip(passed, outliers, strict=True):
-            if outlier:
-                median = float(np.median([r.norm for r in passed]))
-                detail = f"update norm {screened.norm:.4g} vs round median {median:.4g}"
-                self.reject(server_round, screened.node_id, Rejected("norm_outlier", detail))
+        for screened, big_norm, big_weight in zip(passed, norm_outliers, weight_outliers, strict=True):
+            if big_norm or big_weight:
+                what, value, values = (
+                    ("norm", screened.norm, norms) if big_norm else ("weight", screened.weight, weights)
+                )
+                detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
+                self.reject(server_round, screened.node_id, Rejected(f"{what}_outlier", detail))
                 continue
             accepted.append(screened)
             report.payload_bytes += len(screened.payload)

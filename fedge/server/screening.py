@@ -8,7 +8,9 @@ A reply is rejected, never fatal, when it
 * decodes to other tensor names or shapes than the model's (``wrong_tensors``);
 * holds NaN or infinity, or an update whose norm overflows (``non_finite``);
 * has an update norm far above the round's typical one (``norm_outlier``: more than
-  ``max_norm_ratio`` times the median norm of the round's otherwise valid replies).
+  ``max_norm_ratio`` times the median norm of the round's otherwise valid replies);
+* claims far more examples than the round's typical reply (``weight_outlier``: more than
+  ``max_weight_ratio`` times the median ``num-examples``), which would let it outweigh everyone else.
 
 Checking a reply decodes it once, densely, to measure its norm; only the norm is kept, so screening
 all replies costs one decoded reply of memory at a time.
@@ -26,7 +28,7 @@ from flwr.app import ConfigRecord, RecordDict
 from fedge.client.protocol import UPDATE_KEY
 from fedge.compression import CodecError, NonFiniteValueError, decode
 
-__all__ = ["REJECTION_REASONS", "Rejected", "ReplyScreen", "ScreenedReply", "norm_outliers", "screen_reply"]
+__all__ = ["REJECTION_REASONS", "Rejected", "ReplyScreen", "ScreenedReply", "ratio_outliers", "screen_reply"]
 
 REJECTION_REASONS = (
     "no_update",
@@ -36,6 +38,7 @@ REJECTION_REASONS = (
     "wrong_tensors",
     "non_finite",
     "norm_outlier",
+    "weight_outlier",
 )
 
 
@@ -48,17 +51,24 @@ class ReplyScreen:
     max_norm_ratio : float (default: 5.0)
         Reject updates whose L2 norm exceeds this multiple of the round's median update norm; ``inf``
         turns the test off.
+    max_weight_ratio : float (default: 10.0)
+        Reject replies whose ``num-examples`` exceeds this multiple of the round's median (non-IID
+        partitions differ a few-fold; a client claiming a million examples would otherwise set the average
+        alone); ``inf`` turns the test off.
     min_replies : int (default: 3)
-        The norm test runs only when at least this many replies passed the other checks (a median of
+        The outlier tests run only when at least this many replies passed the other checks (a median of
         one or two says nothing about a distribution).
     """
 
     max_norm_ratio: float = 5.0
+    max_weight_ratio: float = 10.0
     min_replies: int = 3
 
     def __post_init__(self) -> None:
         if not self.max_norm_ratio > 1.0:
             raise ValueError("max_norm_ratio must be > 1")
+        if not self.max_weight_ratio > 1.0:
+            raise ValueError("max_weight_ratio must be > 1")
         if self.min_replies < 1:
             raise ValueError("min_replies must be >= 1")
 
@@ -136,9 +146,9 @@ def _weight(content: RecordDict, key: str) -> float:
     return float(value)
 
 
-def norm_outliers(norms: list[float], screen: ReplyScreen) -> list[bool]:
-    """Which of the round's ``norms`` are outliers under ``screen``."""
-    if len(norms) < screen.min_replies or math.isinf(screen.max_norm_ratio):
-        return [False] * len(norms)
-    limit = screen.max_norm_ratio * float(np.median(norms))
-    return [norm > limit for norm in norms]
+def ratio_outliers(values: list[float], max_ratio: float, min_replies: int) -> list[bool]:
+    """Which of the round's ``values`` exceed ``max_ratio`` times their median (none if too few)."""
+    if len(values) < min_replies or math.isinf(max_ratio):
+        return [False] * len(values)
+    limit = max_ratio * float(np.median(values))
+    return [value > limit for value in values]

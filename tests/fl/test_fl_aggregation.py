@@ -14,7 +14,7 @@ from fedge.client.protocol import INSTRUCTION_KEY, UPDATE_KEY, arrays_to_record,
 from fedge.compat import set_message_id
 from fedge.compression import build_codec
 from fedge.server import CompressionConfig, ReplyScreen, ServerOptimizer, StreamingFedAvg
-from fedge.server.screening import norm_outliers
+from fedge.server.screening import ratio_outliers
 from fedge.simulation.local_grid import LocalGrid
 
 RNG = np.random.default_rng(1)
@@ -127,12 +127,16 @@ def test_structurally_bad_replies_are_rejected_with_reasons_and_node_ids(caplog)
         assert f"node {message.metadata.dst_node_id}:" in caplog.text
 
 
-def test_norm_test_needs_enough_replies_and_uses_the_median():
+def test_outlier_tests_need_enough_replies_and_use_the_median():
     screen = ReplyScreen(max_norm_ratio=5.0, min_replies=3)
-    assert norm_outliers([1.0, 100.0], screen) == [False, False]
-    assert norm_outliers([1.0, 1.2, 0.8, 5.9, 6.1], screen) == [False, False, False, False, True]
+    few, many = [1.0, 100.0], [1.0, 1.2, 0.8, 5.9, 6.1]
+    assert ratio_outliers(few, screen.max_norm_ratio, screen.min_replies) == [False, False]
+    assert ratio_outliers(many, screen.max_norm_ratio, screen.min_replies) == [False] * 4 + [True]
+    assert ratio_outliers(many, float("inf"), screen.min_replies) == [False] * 5
     with pytest.raises(ValueError, match="max_norm_ratio"):
         ReplyScreen(max_norm_ratio=1.0)
+    with pytest.raises(ValueError, match="max_weight_ratio"):
+        ReplyScreen(max_weight_ratio=0.5)
 
 
 def test_all_replies_rejected_leaves_the_model_alone():

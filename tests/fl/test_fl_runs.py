@@ -58,13 +58,14 @@ def test_compressed_round_trip_with_error_feedback_kept_in_context_state():
 
 # --- malformed and poisoned replies -------------------------------------------------------------------
 
-ATTACKS = ("nan", "huge", "wrong_shapes", "garbage", "stale")
+ATTACKS = ("nan", "huge", "wrong_shapes", "garbage", "stale", "heavy")
 EXPECTED_REASON = {
     "nan": "non_finite",
     "huge": "norm_outlier",
     "wrong_shapes": "wrong_tensors",
     "garbage": "undecodable",
     "stale": "stale",
+    "heavy": "weight_outlier",
 }
 
 
@@ -97,10 +98,14 @@ def _attack(msg: Message, context: Context, call_next) -> Message:
         "wrong_shapes": lambda: codec.encode({k: np.ones(v.size, np.float32) for k, v in model.items()}),
         "garbage": lambda: rng.bytes(3000),
         "stale": lambda: codec.encode({k: np.zeros_like(v) for k, v in model.items()}),
+        "heavy": lambda: codec.encode({k: np.zeros_like(v) for k, v in model.items()}),
     }[kind]()
     update = ConfigRecord({"payload": payload, "base": version - 1 if kind == "stale" else version})
     content = RecordDict(
-        {"metrics": MetricRecord({"num-examples": 100.0, "train_loss": 0.1}), UPDATE_KEY: update}
+        {
+            "metrics": MetricRecord({"num-examples": 1e6 if kind == "heavy" else 100.0, "train_loss": 0.1}),
+            UPDATE_KEY: update,
+        }
     )
     return Message(content, reply_to=msg)
 
