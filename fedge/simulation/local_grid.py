@@ -67,7 +67,7 @@ def _call_client(client_app: ClientApp, payload: bytes, context_bytes: bytes) ->
 
 
 class LocalGrid(RunGrid):
-    """Run ``client_app`` for ``num_nodes`` virtual nodes in this process.
+    """Run ``client_app`` for ``num_nodes`` virtual nodes on this machine.
 
     Parameters
     ----------
