@@ -9,7 +9,6 @@ over labels made by flwr-datasets' ``DirichletPartitioner``. Users plug their ow
 
 from __future__ import annotations
 
-import importlib
 import io
 import logging
 import os
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from fedge.atomic import write_bytes_atomic
+from fedge.importing import import_attribute
 
 __all__ = ["DigitsTask", "Task", "TaskLoadError", "TensorData", "TrainConfig", "load_task"]
 
@@ -135,14 +135,7 @@ class Task(ABC):
 
 def load_task(path: str) -> Task:
     """Instantiate a task from ``"package.module:TaskClass"``; raise :class:`TaskLoadError` if it fails."""
-    module_name, sep, class_name = path.partition(":")
-    if not sep or not module_name or not class_name:
-        raise TaskLoadError(f"task {path!r} is not of the form 'package.module:TaskClass'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:
-        raise TaskLoadError(f"task module {module_name!r} does not import: {err}") from err
-    cls = getattr(module, class_name, None)
+    cls = import_attribute(path, "task", TaskLoadError)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise TaskLoadError(f"{path!r} does not name a fedge.app.task.Task subclass")
     return cls()

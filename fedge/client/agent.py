@@ -35,6 +35,7 @@ from fedge.compat import (
     message_from_bytes,
     message_to_bytes,
 )
+from fedge.importing import import_attribute
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import Delivery, NodeEndpoint
 from fedge.transport.grid import PROFILE_PREFIX, flower_node_id
@@ -98,15 +99,9 @@ class AgentConfig:
 
 def load_client_app(path: str) -> ClientApp:
     """Import ``package.module:attribute`` and check it is a ClientApp."""
-    import importlib
-
-    module_name, _, attribute = path.partition(":")
-    try:
-        app = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"client app {path!r} does not import: {err}") from None
+    app = import_attribute(path, "client app")
     if not isinstance(app, ClientApp):
-        raise ValueError(f"{path!r} is not a flwr ClientApp")
+        raise ValueError(f"{path!r} does not name a flwr ClientApp")
     return app
 
 

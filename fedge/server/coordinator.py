@@ -34,7 +34,7 @@ from fedge.compat import set_task_identity
 from fedge.server.history import RoundMetrics, RunHistory
 from fedge.transport.config import MqttConfig
 from fedge.transport.grid import MqttGrid
-from fedge.transport.toml_config import mqtt_config_from_mapping
+from fedge.transport.toml_config import mqtt_config_from_mapping, read_secret
 
 __all__ = ["CoordinatorConfig", "load_checkpoint", "read_status", "run_coordinator"]
 
@@ -90,7 +90,10 @@ class CoordinatorConfig:
     def node_keys(self) -> dict[str, bytes] | None:
         if self.node_keys_dir is None:
             return None
-        keys = {p.stem: p.read_bytes().strip() for p in Path(self.node_keys_dir).glob("*.key")}
+        # Read as the agent reads its own key (first line, stripped), so the two always agree.
+        keys = {
+            p.stem: read_secret(p, "signing key").encode() for p in Path(self.node_keys_dir).glob("*.key")
+        }
         if not keys:
             raise ConfigError(f"node_keys_dir {self.node_keys_dir} holds no <node>.key files")
         return keys
