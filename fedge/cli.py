@@ -65,8 +65,7 @@ def simulate(
     """Run the reference app with N virtual clients on this machine."""
     from rich.console import Console
 
-    from fedge.app.config import ConfigError
-    from fedge.app.task import TaskLoadError, load_task
+    from fedge.app.task import load_task
     from fedge.simulation.config import SimulationConfig
     from fedge.simulation.display import RoundProgress, summary_table
     from fedge.simulation.engines import run_simulation
@@ -84,11 +83,9 @@ def simulate(
         "out_dir": str(out),
     }
     flags = {key: value for key, value in flags.items() if value is not None}
-    try:
+    with _config_errors():
         sim = SimulationConfig.from_toml(config, flags) if config else SimulationConfig.from_mapping(flags)
         load_task(sim.app.task)
-    except (ConfigError, TaskLoadError) as err:
-        raise fail(str(err)) from None
     _configure_logging(verbose)
     console = Console()
     console.print(
