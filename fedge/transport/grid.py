@@ -120,12 +120,16 @@ class MqttGrid(RunGrid):
 
     def node_name(self, node_id: int) -> str | None:
         """The wire name of an online node, from its Flower id."""
-        return {flower_node_id(name): name for name in self.endpoint.online_nodes()}.get(node_id)
+        return self._online_names().get(node_id)
+
+    def _online_names(self) -> dict[int, str]:
+        return {flower_node_id(name): name for name in self.endpoint.online_nodes()}
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
+        names = self._online_names()  # once per batch, not once per message
         for message in messages:
-            name = self.node_name(message.metadata.dst_node_id)
+            name = names.get(message.metadata.dst_node_id)
             if name is None:
                 log.warning("node %s is not online; instruction not sent", message.metadata.dst_node_id)
                 continue
