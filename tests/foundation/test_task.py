@@ -34,7 +34,7 @@ def test_small_alpha_gives_skewed_label_mixes():
 def test_test_set_is_fixed_and_separate():
     task = DigitsTask()
     features, labels = task.test_set()
-    assert len(labels) == 360 and features.shape[1:] == (1, 8, 8)
+    assert abs(len(labels) - 0.2 * 1797) < 2 and features.shape[1:] == (1, 8, 8)
     assert torch.equal(task.test_set()[1], labels)
 
 
@@ -88,3 +88,27 @@ def test_prepared_partitions_load_without_the_partitioner(tmp_path):
     assert first.stdout.startswith("True") and second.stdout.startswith("False")
     assert second.stdout.split(" ", 1)[1].strip() == str(expected.tolist())
     assert len(list(tmp_path.glob("digits-dirichlet-*.npz"))) == 1
+
+
+def test_momentum_sgd_matches_torch_optim_step_for_step():
+    from fedge.app.task import DigitsCNN, MomentumSGD
+
+    torch.manual_seed(0)
+    ours, theirs = DigitsCNN(), DigitsCNN()
+    theirs.load_state_dict(ours.state_dict())
+    initial = {name: tensor.clone() for name, tensor in ours.state_dict().items()}
+    optimizers = (
+        MomentumSGD(ours.parameters(), lr=0.05, momentum=0.9),
+        torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9),
+    )
+    features, labels = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    for _ in range(3):
+        for model, optimizer in zip((ours, theirs), optimizers, strict=True):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(features), labels).backward()
+            optimizer.step()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, theirs.state_dict()[name]), name
+    assert not torch.equal(
+        ours.state_dict()["classifier.3.bias"], DigitsCNN().state_dict()["classifier.3.bias"]
+    )
