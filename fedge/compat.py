@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.common import serde
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.proto.message_pb2 import Context as ProtoContext
@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 __all__ = [
     "SUPERLINK_NODE_ID",
     "MessageDecodeError",
+    "MessageEncoder",
     "Run",
     "context_from_bytes",
     "context_to_bytes",
@@ -44,6 +45,31 @@ class MessageDecodeError(ValueError):
 def message_to_bytes(message: Message) -> bytes:
     """Serialize a Flower ``Message`` (metadata, content or error) to its protobuf wire bytes."""
     return serde.message_to_proto(message).SerializeToString()
+
+
+class MessageEncoder:
+    """Serialize a batch of messages, encoding each distinct content ``RecordDict`` once.
+
+    A strategy sends one ``RecordDict`` object (the global model) to every node it samples, and its encoding
+    is nearly all of each message. Protobuf writes fields in number order (metadata 1, content 2) and parses
+    concatenated encodings as one message, so the metadata's bytes followed by the content's cached bytes
+    are exactly :func:`message_to_bytes`. Use one encoder per batch: contents are cached by identity and
+    must not change while it lives.
+    """
+
+    def __init__(self) -> None:
+        self._contents: dict[int, tuple[RecordDict, bytes]] = {}  # the object is kept so its id stays unique
+
+    def encode(self, message: Message) -> bytes:
+        """``message_to_bytes(message)``, reusing the encoding of a content already seen."""
+        if not message.has_content():
+            return message_to_bytes(message)
+        cached = self._contents.get(id(message.content))
+        if cached is None:
+            content = ProtoMessage(content=serde.recorddict_to_proto(message.content)).SerializeToString()
+            cached = self._contents[id(message.content)] = (message.content, content)
+        metadata = ProtoMessage(metadata=serde.metadata_to_proto(message.metadata)).SerializeToString()
+        return metadata + cached[1]
 
 
 def message_from_bytes(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:

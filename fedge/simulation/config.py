@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,14 @@ from fedge.app.config import AppConfig, ConfigError, read_toml
 __all__ = ["ENGINES", "SimulationConfig"]
 
 ENGINES = ("local", "ray", "mqtt")
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -26,8 +35,9 @@ class SimulationConfig:
     engine : str (default: "local")
         ``local`` (in-process Grid, fast), ``ray`` (Flower's simulation engine) or ``mqtt`` (a broker, the
         coordinator service and one device-agent process per client).
-    workers : int (default: 2)
-        ClientApps run at once by the local engine (Ray: concurrent actors).
+    workers : int (default: the CPUs this process may use)
+        ClientApps run at once by the local engine (Ray: concurrent actors). Client training is
+        compute-bound, so more workers than CPUs only adds contention.
     broker : str (default: "")
         For the ``mqtt`` engine: an existing broker URL; empty starts fedge's embedded broker.
     app : AppConfig
@@ -36,7 +46,7 @@ class SimulationConfig:
 
     clients: int = 20
     engine: str = "local"
-    workers: int = 2
+    workers: int = field(default_factory=_usable_cpus)
     broker: str = ""
     app: AppConfig = field(default_factory=AppConfig)
 

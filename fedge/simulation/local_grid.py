@@ -25,6 +25,7 @@ from flwr.common.constant import ErrorCode
 
 from fedge.compat import (
     SUPERLINK_NODE_ID,
+    MessageEncoder,
     context_from_bytes,
     context_to_bytes,
     message_from_bytes,
@@ -123,14 +124,14 @@ class LocalGrid(RunGrid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
+        ids, encoder = [], MessageEncoder()
         for message in messages:
             node_id = message.metadata.dst_node_id
             if node_id not in self.contexts:
                 raise ValueError(f"no node {node_id} in this grid")
             message_id = uuid.uuid4().hex
             set_message_id(message, message_id)
-            payload, context = message_to_bytes(message), context_to_bytes(self.contexts[node_id])
+            payload, context = encoder.encode(message), context_to_bytes(self.contexts[node_id])
             self._report_wire(message, payload)
             if isinstance(self._pool, ProcessPoolExecutor):
                 future = self._pool.submit(_call_in_worker, payload, context)

@@ -22,7 +22,7 @@ from typing import Any
 
 from flwr.app import Message
 
-from fedge.compat import SUPERLINK_NODE_ID, MessageDecodeError, message_from_bytes, message_to_bytes
+from fedge.compat import SUPERLINK_NODE_ID, MessageDecodeError, MessageEncoder, message_from_bytes
 from fedge.compat import set_message_id as _set_message_id
 from fedge.grid_base import RunGrid
 from fedge.transport.config import MqttConfig
@@ -126,7 +126,7 @@ class MqttGrid(RunGrid):
         return {flower_node_id(name): name for name in self.endpoint.online_nodes()}
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
+        ids, encoder = [], MessageEncoder()
         names = self._online_names()  # once per batch, not once per message
         for message in messages:
             name = names.get(message.metadata.dst_node_id)
@@ -137,7 +137,7 @@ class MqttGrid(RunGrid):
             _set_message_id(message, message_id)
             with self._cond:
                 self._awaited[message_id] = _Awaited(name, _round_of(message))
-            payload = message_to_bytes(message)
+            payload = encoder.encode(message)
             try:
                 self.endpoint.send(name, payload, message_id=message_id, expiry_s=message.metadata.ttl)
             except (ValueError, TransferError) as err:  # too large, or the channel is closing

@@ -139,7 +139,7 @@ def test_malformed_and_poisoned_replies_are_rejected_counted_logged_and_harmless
     for node, kind in attacks.items():
         assert f"rejected the reply of node {node}: {EXPECTED_REASON[kind]}" in caplog.text
     assert abs(attacked.rounds[-1].accuracy - clean.rounds[-1].accuracy) <= 0.01
-    assert clean.rounds[-1].accuracy > clean.initial_accuracy + 0.2
+    assert clean.rounds[-1].accuracy > clean.initial_accuracy + 0.15  # the honest clients do learn
 
 
 # --- composition with Flower's clipping mod and DP wrapper ---------------------------------------------

@@ -90,3 +90,24 @@ def test_context_round_trip_keeps_state():
 def test_make_run_carries_override_config():
     run = make_run(5, {"num-server-rounds": 2})
     assert run.run_id == 5 and run.override_config == {"num-server-rounds": 2}
+
+
+def test_message_encoder_gives_the_bytes_of_message_to_bytes_and_encodes_shared_content_once(monkeypatch):
+    from flwr.common import serde
+
+    from fedge.compat import MessageEncoder
+
+    set_task_identity(run_id=3)
+    shared = RecordDict({"arrays": ArrayRecord({"w": Array(np.arange(4, dtype=np.float32))})})
+    messages = [Message(shared, dst_node_id=node, message_type="train") for node in (5, 6, 7)]
+    messages.append(Message(RecordDict(), dst_node_id=8, message_type="train"))
+    for i, message in enumerate(messages):
+        set_message_id(message, f"m{i}")
+    expected = [message_to_bytes(message) for message in messages]
+    calls = []
+    to_proto = serde.recorddict_to_proto
+    monkeypatch.setattr(serde, "recorddict_to_proto", lambda r: calls.append(r) or to_proto(r))
+    encoder = MessageEncoder()
+    assert [encoder.encode(message) for message in messages] == expected
+    assert len(calls) == 2  # the shared content once, the empty one once
+    assert message_from_bytes(expected[1]).metadata.dst_node_id == 6
