@@ -3,8 +3,8 @@
 A :class:`Task` bundles the model factory, a client's data partition, local training, evaluation and the
 server's held-out test set. The reference task, :class:`DigitsTask`, learns the handwritten digits that ship
 with scikit-learn (1,797 8×8 images) with a small CNN; clients get non-IID partitions from a Dirichlet split
-over labels made by flwr-datasets' ``DirichletPartitioner``. Users plug their own task by import path,
-``package.module:TaskClass`` (see :func:`load_task`).
+over labels made by flwr-datasets' ``DirichletPartitioner`` (its data side is :mod:`fedge.app.digits`).
+Users plug their own task by import path, ``package.module:TaskClass`` (see :func:`load_task`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from fedge.app.digits import digits_split, dirichlet_partitions
 from fedge.importing import import_attribute
 
 __all__ = ["DigitsTask", "MomentumSGD", "Task", "TaskLoadError", "TensorData", "TrainConfig", "load_task"]
-
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
 """Features and integer labels of one data split."""

@@ -81,12 +81,20 @@ class Topics:
         return f"{self._root}/presence/+"
 
     def mosquitto_acl(self, coordinator_user: str = "coordinator") -> str:
-        """A Mosquitto ACL file that confines each node (username == node id) to its own topics."""
+        """A Mosquitto ACL file that confines each node (username == node id) to its own topics.
+
+        The coordinator reads outboxes, inbox acknowledgements and presence, and writes inboxes and outbox
+        acknowledgements: it cannot speak as a node (``deploy/mosquitto/acl`` is the same, for any fleet).
+        """
         root = self._root
         return "\n".join(
             [
                 f"user {coordinator_user}",
-                f"topic readwrite {root}/#",
+                f"topic read {self.all_outboxes}",
+                f"topic read {self.all_inbox_acks}",
+                f"topic read {self.all_presence}",
+                f"topic write {root}/node/+/in",
+                f"topic write {root}/node/+/out/ack",
                 "",
                 f"pattern read {root}/node/%u/in",
                 f"pattern write {root}/node/%u/in/ack",

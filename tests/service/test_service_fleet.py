@@ -29,9 +29,9 @@ def test_ten_agents_over_mqtt_match_the_local_engine(broker, tmp_path):
 
 @pytest.mark.slow
 def test_fifty_agents_through_a_lossy_link_complete_five_rounds(broker, tmp_path):
-    """Devices on a bad link (delay, jitter, a rate cap, every connection reset every ~20 s), the coordinator
+    """Devices on a bad link (delay, jitter, a rate cap, every connection reset every ~10 s), the coordinator
     on the broker's network. On such a link some node is usually reconnecting, so rounds start with 45."""
-    profile = LinkProfile(latency_ms=30, jitter_ms=10, rate_bytes_per_s=20e6, reset_mean_s=20.0, seed=1)
+    profile = LinkProfile(latency_ms=30, jitter_ms=10, rate_bytes_per_s=20e6, reset_mean_s=10.0, seed=1)
     with LossyLinkProxy("127.0.0.1", broker.port, profile) as proxy:
         history = run_mqtt_simulation(
             50,

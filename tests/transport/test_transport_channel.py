@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -260,6 +261,32 @@ def test_wrong_password_fails_fast_and_acl_isolates_nodes(
         with pytest.raises(TransferError, match="expired"):
             intruder.send(b"forged", expiry_s=1.0).wait(5)
         assert coordinator.receive(0.2) is None
+
+    # Nor can the coordinator speak as a node: the broker drops what it publishes to an outbox.
+    assert _delivered(broker, "coordinator", Topics(config.fleet).outbox("n1")) is False
+    assert _delivered(broker, "n1", Topics(config.fleet).outbox("n1")) is True
+
+
+def _delivered(broker: MosquittoBroker, user: str, topic: str) -> bool:
+    """Does a message ``user`` publishes on ``topic`` reach a coordinator subscribed to every outbox?"""
+    got = threading.Event()
+    clients = []
+    for name, on_message in (("coordinator", lambda *_: got.set()), (user, None)):
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{name}-{len(clients)}")
+        client.username_pw_set(name, f"pw-{name}")
+        client.on_message = on_message
+        client.connect("127.0.0.1", broker.port)
+        client.loop_start()
+        clients.append(client)
+    subscribed = clients[0].subscribe(topic.rsplit("/", 2)[0] + "/+/out", qos=1)
+    time.sleep(0.3)  # let the subscription settle before publishing
+    clients[1].publish(topic, b"x", qos=1).wait_for_publish(5)
+    delivered = got.wait(1.0)
+    for client in clients:
+        client.loop_stop()
+        client.disconnect()
+    assert subscribed[0] == paho.MQTT_ERR_SUCCESS
+    return delivered
 
 
 def test_embedded_broker_starts_and_stops_cleanly() -> None:
