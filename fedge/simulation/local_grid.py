@@ -5,18 +5,21 @@ overhead per run that dominate small experiments. :class:`LocalGrid` keeps only 
 one ``Context`` per virtual node that persists across rounds (so client state such as error-feedback
 residuals survives), messages that cross a serialization boundary (so the server and the clients never
 share arrays, and what is counted is what would travel) and a pool of forked worker processes (client
-training is Python-heavy, so threads would queue on the GIL). Replies come back in the order the messages
-were pushed, so equal seeds give equal runs.
+training is Python-heavy, so threads would queue on the GIL; :mod:`fedge.simulation.workers` keeps a dying
+worker from taking other nodes' calls down with it). Replies come back in the order the messages were
+pushed, so equal seeds give equal runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
-import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
+from typing import Any
 
 import torch
 from flwr.app import Context, Error, Message, RecordDict
@@ -33,25 +36,16 @@ from fedge.compat import (
     set_message_id,
 )
 from fedge.grid_base import RunGrid
+from fedge.simulation.workers import WorkerPool
 
 __all__ = ["LocalGrid"]
 
 log = logging.getLogger(__name__)
 
-# The ClientApp of this worker process: inherited through fork, so it need not be importable or picklable.
-_worker_app: ClientApp | None = None
 
-
-def _init_worker(client_app: ClientApp) -> None:
-    global _worker_app
-    _worker_app = client_app
+def _init_worker() -> None:
     # One intra-op thread per worker process: the pool is the parallelism (and forked OpenMP pools hang).
     torch.set_num_threads(1)
-
-
-def _call_in_worker(message: bytes, context: bytes) -> tuple[bytes, bytes]:
-    assert _worker_app is not None
-    return _call_client(_worker_app, message, context)
 
 
 def _call_client(client_app: ClientApp, payload: bytes, context_bytes: bytes) -> tuple[bytes, bytes]:
@@ -65,6 +59,23 @@ def _call_client(client_app: ClientApp, payload: bytes, context_bytes: bytes) ->
         reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(err)), reply_to=message)
     set_message_id(reply, uuid.uuid4().hex)
     return message_to_bytes(reply), context_to_bytes(context)
+
+
+class _ThreadPool:
+    """The :class:`WorkerPool` interface over threads of this process (one worker, or no ``fork``)."""
+
+    def __init__(self, client_app: ClientApp, workers: int) -> None:
+        self._client_app = client_app
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="fedge-client")
+
+    def submit(self, payload: bytes, context: bytes) -> Future[tuple[bytes, bytes]]:
+        return self._executor.submit(_call_client, self._client_app, payload, context)
+
+    def wait(self, futures: Iterable[Future[Any]], timeout: float | None = None) -> None:
+        wait_for_futures(list(futures), timeout)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
 
 
 class LocalGrid(RunGrid):
@@ -83,6 +94,8 @@ class LocalGrid(RunGrid):
     processes : bool, optional
         Run them in forked worker processes (default when ``workers > 1``) or in threads of this process.
         Calls for one node never overlap within a round, so its Context is updated by one call at a time.
+        A worker process that dies fails only the call it was running: that node's reply is an error
+        (``CLIENT_APP_CRASHED``), its Context stays as it was, and a new worker takes the dead one's place.
     """
 
     def __init__(
@@ -96,7 +109,6 @@ class LocalGrid(RunGrid):
         if num_nodes < 1:
             raise ValueError("num_nodes must be >= 1")
         super().__init__(run_id)
-        self._client_app = client_app
         # Node ids follow the SuperLink's own id, which Flower reserves. A node's Context goes to the worker
         # with each call and comes back updated, as it would to and from a SuperNode's ClientApp process.
         self.contexts: dict[int, Context] = {
@@ -111,14 +123,12 @@ class LocalGrid(RunGrid):
         }
         if processes is None:
             processes = workers > 1 and "fork" in multiprocessing.get_all_start_methods()
-        self._pool: Executor
+        self._pool: WorkerPool | _ThreadPool
         if processes:
-            self._pool = ProcessPoolExecutor(
-                workers, multiprocessing.get_context("fork"), initializer=_init_worker, initargs=(client_app,)
-            )
+            self._pool = WorkerPool(functools.partial(_call_client, client_app), workers, _init_worker)
         else:
-            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fedge-client")
-        self._pending: dict[str, tuple[int, Future[tuple[bytes, bytes]]]] = {}
+            self._pool = _ThreadPool(client_app, workers)
+        self._pending: dict[str, tuple[Message, Future[tuple[bytes, bytes]]]] = {}
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
@@ -133,43 +143,45 @@ class LocalGrid(RunGrid):
             set_message_id(message, message_id)
             payload, context = encoder.encode(message), context_to_bytes(self.contexts[node_id])
             self._report_wire(message, payload)
-            if isinstance(self._pool, ProcessPoolExecutor):
-                future = self._pool.submit(_call_in_worker, payload, context)
-            else:
-                future = self._pool.submit(_call_client, self._client_app, payload, context)
-            self._pending[message_id] = (node_id, future)
+            self._pending[message_id] = (message, self._pool.submit(payload, context))
             ids.append(message_id)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        wanted = [i for i in message_ids if i in self._pending]
+        self._pool.wait([self._pending[i][1] for i in wanted], timeout=0)  # collect what has finished
         replies = []
-        for message_id in message_ids:
-            node_id, future = self._pending.get(message_id, (0, None))
-            if future is not None and future.done():
+        for message_id in wanted:
+            message, future = self._pending[message_id]
+            if future.done():
                 del self._pending[message_id]
-                reply_bytes, context = future.result()
-                self.contexts[node_id] = context_from_bytes(context)
-                reply = message_from_bytes(reply_bytes)
-                self._report_wire(reply, reply_bytes)
-                replies.append(reply)
+                replies.append(self._reply(message, future))
         return replies
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         ids = list(self.push_messages(messages))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        replies = []
-        for message_id in ids:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                self._pending[message_id][1].result(timeout=remaining)
-            except TimeoutError:
-                log.warning("message %s got no reply within %.1f s", message_id, timeout)
-                continue
-            replies.extend(self.pull_messages([message_id]))
-        return replies
+        self._pool.wait([self._pending[i][1] for i in ids], timeout)
+        late = sum(not self._pending[i][1].done() for i in ids)
+        if late:
+            log.warning("%d of %d messages got no reply within %.1f s", late, len(ids), timeout or 0.0)
+        return self.pull_messages(ids)
 
     def shutdown(self) -> None:
-        """Stop the worker pool (pending ClientApp calls finish first)."""
-        self._pool.shutdown(wait=True)
+        """Stop the workers (pending ClientApp calls finish first)."""
+        self._pool.shutdown()
+
+    def _reply(self, message: Message, future: Future[tuple[bytes, bytes]]) -> Message:
+        """The reply of a finished call; the node's Context advances only if the call completed."""
+        try:
+            reply_bytes, context = future.result()
+        except Exception as err:  # the worker process died: only this node's call is lost
+            log.warning("node %s: %s", message.metadata.dst_node_id, err)
+            reply = Message(Error(code=ErrorCode.CLIENT_APP_CRASHED, reason=str(err)), reply_to=message)
+            set_message_id(reply, uuid.uuid4().hex)
+            return reply
+        self.contexts[message.metadata.dst_node_id] = context_from_bytes(context)
+        reply = message_from_bytes(reply_bytes)
+        self._report_wire(reply, reply_bytes)
+        return reply

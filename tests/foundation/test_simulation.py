@@ -1,9 +1,12 @@
 """The local engine: reproducible runs, persistent node contexts, failures that do not stop a round."""
 
 import json
+import os
+import signal
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import FedAvg
 
 from fedge.app.client_app import train as reference_train
@@ -54,13 +57,15 @@ def test_run_writes_metrics_json_and_plots(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _counting_app(fail_on_partition: int | None = None) -> ClientApp:
+def _counting_app(fail_on_partition: int | None = None, crash_on_partition: int | None = None) -> ClientApp:
     app = ClientApp()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         if context.node_config["partition-id"] == fail_on_partition:
             raise RuntimeError("device out of memory")
+        if context.node_config["partition-id"] == crash_on_partition:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
         calls = int(context.state["count"]["calls"]) + 1 if "count" in context.state else 1
         context.state["count"] = MetricRecord({"calls": calls})
         metrics = MetricRecord({"num-examples": 1, "calls": calls})
@@ -96,6 +101,23 @@ def test_a_failing_client_becomes_an_error_reply():
     errors = [r for r in replies if r.has_error()]
     assert len(replies) == 3 and len(errors) == 1
     assert "device out of memory" in errors[0].error.reason
+
+
+def test_a_client_that_kills_its_worker_process_loses_only_its_own_reply():
+    grid = LocalGrid(_counting_app(crash_on_partition=2), num_nodes=6, workers=2)
+    try:
+        rounds = [_send_round(grid), _send_round(grid)]
+    finally:
+        grid.shutdown()
+    crashed_node = list(grid.get_node_ids())[2]
+    for number, replies in enumerate(rounds, start=1):
+        assert [r.metadata.src_node_id for r in replies] == list(grid.get_node_ids())
+        errors = [r for r in replies if r.has_error()]
+        assert [r.metadata.src_node_id for r in errors] == [crashed_node]
+        assert errors[0].error.code == ErrorCode.CLIENT_APP_CRASHED
+        assert "killed by signal 9" in errors[0].error.reason
+        assert [r.content["metrics"]["calls"] for r in replies if not r.has_error()] == [number] * 5
+    assert "count" not in grid.contexts[crashed_node].state
 
 
 def test_failed_replies_are_counted_and_the_run_completes():

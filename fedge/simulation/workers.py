@@ -1,0 +1,178 @@
+"""Forked worker processes for the local engine, one ClientApp call at a time each.
+
+``concurrent.futures.ProcessPoolExecutor`` treats a worker that dies (a segfault in native code, the kernel's
+OOM killer, ``os._exit`` in user code) as a broken pool: every call still queued or running fails with it,
+and so would most of a round. :class:`WorkerPool` talks to each worker over its own pipe, so it knows which
+call a dead worker was running: that call alone fails with :class:`WorkerDied`, and a fresh worker takes
+the dead one's place. There are no background threads: the caller drives the pool through :meth:`wait`,
+and workers are only ever forked from the calling thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import signal
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_ready
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ["WorkerDied", "WorkerPool"]
+
+Call = Callable[[bytes, bytes], tuple[bytes, bytes]]
+"""What a worker runs: two byte strings in (message, context), two out (reply, context)."""
+
+
+class WorkerDied(RuntimeError):
+    """The worker process running a call exited before it replied."""
+
+
+@dataclass
+class _Worker:
+    process: BaseProcess
+    conn: Connection
+    job: tuple[Future[tuple[bytes, bytes]], bytes, bytes] | None = None
+
+
+class WorkerPool:
+    """``size`` forked processes running ``call``; a worker that dies fails only the call it was running.
+
+    Parameters
+    ----------
+    call : callable(bytes, bytes) -> (bytes, bytes)
+        Run in the workers; inherited through fork, so it need not be picklable.
+    size : int
+        Worker processes (started on first use, replaced when one dies).
+    initializer : callable, optional
+        Run once in each new worker before its first call.
+    """
+
+    def __init__(self, call: Call, size: int, initializer: Callable[[], None] | None = None) -> None:
+        if size < 1:
+            raise ValueError("size must be >= 1")
+        self._call, self._size, self._initializer = call, size, initializer
+        self._context = multiprocessing.get_context("fork")
+        self._workers: list[_Worker] = []
+        # Workers exit when their pipe closes; close them before multiprocessing joins its children at exit.
+        weakref.finalize(self, _close_pipes, self._workers)
+        self._queue: collections.deque[tuple[Future[tuple[bytes, bytes]], bytes, bytes]] = collections.deque()
+
+    def submit(self, payload: bytes, context: bytes) -> Future[tuple[bytes, bytes]]:
+        """Queue one call; it starts when a worker is free (during :meth:`submit` or :meth:`wait`)."""
+        future: Future[tuple[bytes, bytes]] = Future()
+        self._queue.append((future, payload, context))
+        self._dispatch()
+        return future
+
+    def wait(self, futures: Iterable[Future[Any]], timeout: float | None = None) -> None:
+        """Run the pool until every one of ``futures`` is done or ``timeout`` seconds have passed."""
+        pending = [f for f in futures if not f.done()]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return
+            self._step(remaining)
+            pending = [f for f in pending if not f.done()]
+
+    def shutdown(self) -> None:
+        """Finish queued and running calls, then stop the workers."""
+        self.wait([job[0] for job in self._queue] + [w.job[0] for w in self._workers if w.job])
+        for worker in self._workers:
+            worker.conn.close()  # the worker reads end-of-file and exits
+        for worker in self._workers:
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+        self._workers.clear()
+
+    def _dispatch(self) -> None:
+        """Hand queued calls to idle workers, starting workers up to ``size``."""
+        while self._queue:
+            worker = next((w for w in self._workers if w.job is None), None)
+            if worker is None and len(self._workers) < self._size:
+                worker = self._start_worker()
+            if worker is None:
+                return
+            job = self._queue.popleft()
+            if not job[0].running() and not job[0].set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                worker.conn.send_bytes(job[1])
+                worker.conn.send_bytes(job[2])
+            except OSError:  # the worker died while idle: not this call's doing, so it goes first again
+                self._bury(worker)
+                self._queue.appendleft(job)
+                continue
+            worker.job = job
+
+    def _step(self, timeout: float | None) -> None:
+        """Collect replies (or deaths) of busy workers, waiting up to ``timeout``; then dispatch."""
+        busy = {w.conn: w for w in self._workers if w.job is not None}
+        if not busy:
+            self._dispatch()
+            return
+        for conn in wait_for_ready(list(busy), timeout):
+            worker = busy[conn]  # type: ignore[index]
+            try:
+                reply, context = conn.recv_bytes(), conn.recv_bytes()
+            except (EOFError, OSError):
+                self._bury(worker)
+                continue
+            future, worker.job = worker.job[0], None  # type: ignore[index]
+            future.set_result((reply, context))
+        self._dispatch()
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self._context.Pipe()
+        # The child inherits every pipe end this process holds; it must close the parent ends, or a
+        # worker would never read end-of-file when this process closes its pipe.
+        inherited = [parent] + [w.conn for w in self._workers]
+        process = self._context.Process(
+            target=_serve, args=(child, inherited, self._call, self._initializer), name="fedge-client"
+        )
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        self._workers.append(worker)
+        return worker
+
+    def _bury(self, worker: _Worker) -> None:
+        """A worker died: fail the call it was running; a new worker starts on the next dispatch."""
+        worker.process.join(timeout=5)
+        worker.conn.close()
+        self._workers.remove(worker)
+        if worker.job is not None:
+            code = worker.process.exitcode
+            cause = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            worker.job[0].set_exception(WorkerDied(f"the ClientApp's worker process died ({cause})"))
+
+
+def _close_pipes(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.conn.close()
+
+
+def _serve(
+    conn: Connection, inherited: list[Connection], call: Call, initializer: Callable[[], None] | None
+) -> None:
+    """A worker's life: read a call's two byte strings, run it, write its two, until the pipe closes."""
+    for other in inherited:
+        other.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinating process's to handle
+    if initializer is not None:
+        initializer()
+    while True:
+        try:
+            payload, context = conn.recv_bytes(), conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        reply, new_context = call(payload, context)
+        conn.send_bytes(reply)
+        conn.send_bytes(new_context)

@@ -1,0 +1,67 @@
+"""The local engine's worker processes: a worker that dies fails only its own call."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from fedge.simulation.workers import WorkerDied, WorkerPool
+
+
+def _call(payload: bytes, context: bytes) -> tuple[bytes, bytes]:
+    """Echo reversed, reply with this worker's pid; b"exit" and b"kill" end the worker mid-call."""
+    if payload == b"exit":
+        os._exit(7)
+    if payload == b"kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if payload.startswith(b"sleep"):
+        time.sleep(float(payload[5:]))
+    return payload[::-1], str(os.getpid()).encode() + context
+
+
+@pytest.fixture
+def pool():
+    workers = WorkerPool(_call, size=2)
+    yield workers
+    workers.shutdown()
+
+
+def test_calls_run_in_worker_processes_and_return_their_results(pool):
+    futures = [pool.submit(f"m{i}".encode(), b"") for i in range(20)]
+    pool.wait(futures)
+    assert [f.result()[0] for f in futures] == [f"m{i}".encode()[::-1] for i in range(20)]
+    pids = {int(f.result()[1]) for f in futures}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+
+
+@pytest.mark.parametrize(("payload", "cause"), [(b"exit", "exit code 7"), (b"kill", "killed by signal 9")])
+def test_a_dying_worker_fails_only_its_own_call_and_is_replaced(pool, payload, cause):
+    futures = [pool.submit(p, b"") for p in (b"a", b"b", payload, b"c", b"d", b"e")]
+    pool.wait(futures)
+    with pytest.raises(WorkerDied, match=cause):
+        futures[2].result()
+    assert [f.result()[0] for i, f in enumerate(futures) if i != 2] == [b"a", b"b", b"c", b"d", b"e"]
+    again = [pool.submit(b"x", b"") for _ in range(4)]
+    pool.wait(again)
+    assert all(f.result()[0] == b"x" for f in again)
+
+
+def test_a_worker_that_died_while_idle_costs_no_call(pool):
+    first = pool.submit(b"a", b"")
+    pool.wait([first])
+    os.kill(int(first.result()[1]), signal.SIGKILL)
+    time.sleep(0.2)
+    later = [pool.submit(b"b", b"") for _ in range(4)]
+    pool.wait(later)
+    assert all(f.result()[0] == b"b" for f in later)
+
+
+def test_wait_returns_at_its_timeout_and_shutdown_finishes_queued_calls():
+    pool = WorkerPool(_call, size=1)
+    slow, queued = pool.submit(b"sleep0.5", b""), pool.submit(b"q", b"")
+    started = time.monotonic()
+    pool.wait([slow, queued], timeout=0.1)
+    assert time.monotonic() - started < 0.4 and not queued.done()
+    pool.shutdown()
+    assert queued.result()[0] == b"q" and slow.done()
