@@ -52,6 +52,8 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
 @lru_cache(maxsize=2)
 def digits_split(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Features and labels of the ``"train"`` or ``"test"`` split (fixed: independent of the run seed)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     images, labels = _digits()
     train, test = stratified_split(labels, TEST_FRACTION, _SPLIT_SEED)
     rows = train if split == "train" else test

@@ -71,15 +71,18 @@ class WorkerPool:
         return future
 
     def wait(self, futures: Iterable[Future[Any]], timeout: float | None = None) -> None:
-        """Run the pool until every one of ``futures`` is done or ``timeout`` seconds have passed."""
+        """Run the pool until every one of ``futures`` is done or ``timeout`` seconds have passed.
+
+        ``timeout=0`` collects whatever has finished (and starts queued calls) without blocking.
+        """
         pending = [f for f in futures if not f.done()]
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._step(remaining)
             pending = [f for f in pending if not f.done()]
+            if remaining == 0.0:
+                return
 
     def shutdown(self) -> None:
         """Finish queued and running calls, then stop the workers."""

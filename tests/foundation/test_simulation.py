@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import time
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -90,6 +91,23 @@ def test_node_context_persists_across_rounds():
         grid.shutdown()
     assert sorted(r.content["metrics"]["calls"] for r in replies) == [2, 2, 2]
     assert [r.metadata.src_node_id for r in replies] == list(grid.get_node_ids())
+
+
+def test_pushed_messages_are_pulled_by_polling():
+    grid = LocalGrid(_counting_app(), num_nodes=4, workers=2)
+    set_task_identity(run_id=1)
+    try:
+        content = RecordDict({"arrays": ArrayRecord()})
+        messages = [Message(content, node, "train") for node in grid.get_node_ids()]
+        ids = list(grid.push_messages(messages))
+        replies, deadline = [], time.monotonic() + 10
+        while len(replies) < len(ids) and time.monotonic() < deadline:
+            replies += grid.pull_messages(ids)
+            time.sleep(0.01)
+    finally:
+        grid.shutdown()
+    assert sorted(r.metadata.reply_to_message_id for r in replies) == sorted(ids)
+    assert not any(r.has_error() for r in replies)
 
 
 def test_a_failing_client_becomes_an_error_reply():

@@ -65,3 +65,12 @@ def test_wait_returns_at_its_timeout_and_shutdown_finishes_queued_calls():
     assert time.monotonic() - started < 0.4 and not queued.done()
     pool.shutdown()
     assert queued.result()[0] == b"q" and slow.done()
+
+
+def test_polling_without_a_timeout_makes_progress(pool):
+    futures = [pool.submit(b"p", b"") for _ in range(6)]
+    deadline = time.monotonic() + 10
+    while not all(f.done() for f in futures) and time.monotonic() < deadline:
+        pool.wait(futures, timeout=0)
+        time.sleep(0.01)
+    assert all(f.result()[0] == b"p" for f in futures)
