@@ -74,6 +74,10 @@ class _ThreadPool:
     def wait(self, futures: Iterable[Future[Any]], timeout: float | None = None) -> None:
         wait_for_futures(list(futures), timeout)
 
+    def cancel(self, futures: Iterable[Future[Any]]) -> None:
+        for future in futures:
+            future.cancel()  # a call already running in a thread cannot be stopped; it finishes unheard
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
 
@@ -163,9 +167,10 @@ class LocalGrid(RunGrid):
     ) -> Iterable[Message]:
         ids = list(self.push_messages(messages))
         self._pool.wait([self._pending[i][1] for i in ids], timeout)
-        late = sum(not self._pending[i][1].done() for i in ids)
-        if late:
-            log.warning("%d of %d messages got no reply within %.1f s", late, len(ids), timeout or 0.0)
+        late = [i for i in ids if not self._pending[i][1].done()]
+        if late:  # the round goes on without them, so their calls are stopped rather than left running
+            log.warning("%d of %d ClientApp calls ran past the %.1f s timeout", len(late), len(ids), timeout)
+            self._pool.cancel([self._pending.pop(i)[1] for i in late])
         return self.pull_messages(ids)
 
     def shutdown(self) -> None:

@@ -84,6 +84,14 @@ class WorkerPool:
             if remaining == 0.0:
                 return
 
+    def cancel(self, futures: Iterable[Future[Any]]) -> None:
+        """Stop calls: queued ones are dropped, running ones end with their worker (a new one takes over)."""
+        targets = set(futures)
+        self._queue = collections.deque(j for j in self._queue if not (j[0] in targets and j[0].cancel()))
+        for worker in [w for w in self._workers if w.job is not None and w.job[0] in targets]:
+            worker.process.kill()
+            self._bury(worker, cause="stopped: it ran past its deadline")
+
     def shutdown(self) -> None:
         """Finish queued and running calls, then stop the workers."""
         self.wait([job[0] for job in self._queue] + [w.job[0] for w in self._workers if w.job])
@@ -146,14 +154,15 @@ class WorkerPool:
         self._workers.append(worker)
         return worker
 
-    def _bury(self, worker: _Worker) -> None:
+    def _bury(self, worker: _Worker, cause: str = "") -> None:
         """A worker died: fail the call it was running; a new worker starts on the next dispatch."""
         worker.process.join(timeout=5)
         worker.conn.close()
         self._workers.remove(worker)
         if worker.job is not None:
             code = worker.process.exitcode
-            cause = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            if not cause:
+                cause = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             worker.job[0].set_exception(WorkerDied(f"the ClientApp's worker process died ({cause})"))
 
 

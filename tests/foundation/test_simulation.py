@@ -110,6 +110,30 @@ def test_pushed_messages_are_pulled_by_polling():
     assert not any(r.has_error() for r in replies)
 
 
+def test_a_client_past_the_timeout_is_stopped_and_the_grid_goes_on():
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if context.node_config["partition-id"] == 1:
+            time.sleep(60)  # a hung device
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    grid = LocalGrid(app, num_nodes=3, workers=2)
+    set_task_identity(run_id=1)
+    started = time.monotonic()
+    try:
+        for _ in range(2):
+            messages = [Message(RecordDict(), node, "train") for node in grid.get_node_ids()]
+            replies = list(grid.send_and_receive(messages, timeout=1.0))
+            assert sorted(r.metadata.src_node_id for r in replies) == [
+                n for i, n in enumerate(grid.get_node_ids()) if i != 1
+            ]
+    finally:
+        grid.shutdown()
+    assert time.monotonic() - started < 10
+
+
 def test_a_failing_client_becomes_an_error_reply():
     grid = LocalGrid(_counting_app(fail_on_partition=1), num_nodes=3)
     try:

@@ -74,3 +74,19 @@ def test_polling_without_a_timeout_makes_progress(pool):
         pool.wait(futures, timeout=0)
         time.sleep(0.01)
     assert all(f.result()[0] == b"p" for f in futures)
+
+
+def test_cancel_drops_queued_calls_and_stops_running_ones():
+    pool = WorkerPool(_call, size=1)
+    try:
+        running, queued = pool.submit(b"sleep30", b""), pool.submit(b"q", b"")
+        pool.wait([running], timeout=0.2)
+        pool.cancel([running, queued])
+        assert queued.cancelled()
+        with pytest.raises(WorkerDied, match="past its deadline"):
+            running.result(timeout=0)
+        after = pool.submit(b"z", b"")
+        pool.wait([after], timeout=10)
+        assert after.result()[0] == b"z"
+    finally:
+        pool.shutdown()
