@@ -46,6 +46,9 @@ def simulate(
         None, help="local (in-process, fast), ray (Flower's) or mqtt (agents)."
     ),
     broker: str | None = typer.Option(None, help="mqtt engine: broker URL [default: start an embedded one]."),
+    workers: int | None = typer.Option(
+        None, help="ClientApps run at once (local: processes, ray: actors) [default: one per CPU]."
+    ),
     task: str | None = typer.Option(None, help="Task import path 'package.module:TaskClass'."),
     alpha: float | None = typer.Option(
         None, help="Dirichlet concentration of the label split [default: 0.5]."
@@ -76,6 +79,7 @@ def simulate(
         "seed": seed,
         "engine": engine,
         "broker": broker,
+        "workers": workers,
         "task": task,
         "alpha": alpha,
         "codec": codec,
@@ -90,6 +94,7 @@ def simulate(
     console = Console()
     console.print(
         f"[bold]fedge simulate[/]: {sim.clients} clients, {sim.app.rounds} rounds, engine {sim.engine}, "
+        f"workers {sim.workers}, "
         f"task {sim.app.task}, alpha {sim.app.alpha}, seed {sim.app.seed}, codec {sim.app.codec or 'dense'}"
     )
     with RoundProgress(sim.app.rounds, console) as progress:

@@ -32,10 +32,12 @@ def test_config_file_and_flags_combine(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('clients = 3\nrounds = 1\nalpha = 2.0\nlocal_epochs = 1\nengine = "local"\n')
     out = tmp_path / "run"
-    result = runner.invoke(app, ["simulate", "--config", str(config), "--rounds", "2", "--out", str(out)])
+    args = ["simulate", "--config", str(config), "--rounds", "2", "--workers", "1", "--out", str(out)]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["config"]["alpha"] == 2.0 and len(metrics["rounds"]) == 2
+    assert "workers 1," in result.output
 
 
 @pytest.mark.parametrize(
@@ -44,6 +46,7 @@ def test_config_file_and_flags_combine(tmp_path):
         (["--engine", "quantum"], None, "unknown engine 'quantum'"),
         (["--task", "nowhere.module:Task"], None, "does not import"),
         (["--clients", "0"], None, "clients must be"),
+        (["--workers", "0"], None, "workers must be"),
         (["--alpha", "0"], None, "alpha must be > 0"),
         (["--rounds", "0"], None, "rounds must be >= 1"),
         ([], "clients = 4\nroundz = 3\n", "unknown config key 'roundz'"),
