@@ -33,6 +33,7 @@ from fedge.simulation.engines import run_simulation
 def _training_floor_s(app: AppConfig, clients: int, workers: int) -> float:
     """The run's client training at best: one round of it, times the rounds, over the workers."""
     task = load_task(app.task)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a worker process
     model = task.model()
     initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -43,7 +44,7 @@ def _training_floor_s(app: AppConfig, clients: int, workers: int) -> float:
         seed = local_seed(app.seed, client, 1)
         task.train(model, data, TrainConfig(app.local_epochs, app.learning_rate, app.batch_size, seed=seed))
     one_round = time.perf_counter() - start
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     return one_round * app.rounds * app.fraction_train / min(workers, os.cpu_count() or 1)
 
 
