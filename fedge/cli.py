@@ -97,8 +97,14 @@ def simulate(
         f"workers {sim.workers}, "
         f"task {sim.app.task}, alpha {sim.app.alpha}, seed {sim.app.seed}, codec {sim.app.codec or 'dense'}"
     )
-    with RoundProgress(sim.app.rounds, console) as progress:
-        history = run_simulation(sim, listeners=[progress.update])
+    completed: list[int] = []
+    try:
+        with RoundProgress(sim.app.rounds, console) as progress:
+            history = run_simulation(sim, listeners=[progress.update, lambda m: completed.append(m.round)])
+    except KeyboardInterrupt:
+        kept = f"; its metrics and plots are in {out}" if completed else ""
+        console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
+        raise typer.Exit(130) from None
     console.print(summary_table(history, title=f"fedge simulate ({sim.engine})"))
     console.print(
         f"metrics: {out / 'metrics.json'}\nplots:   {out / 'accuracy.png'}, {out / 'accuracy_vs_upload.png'}"

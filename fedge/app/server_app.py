@@ -144,17 +144,19 @@ def run_federated(
         round_started = time.perf_counter()
         return MetricRecord({"accuracy": result["accuracy"], "loss": result["loss"]})
 
-    strategy.start(
-        grid=metered,
-        initial_arrays=initial_arrays,
-        num_rounds=config.rounds - done,
-        train_config=train_config_record(config),
-        evaluate_config=train_config_record(config),
-        evaluate_fn=evaluate,
-        timeout=timeout,
-    )
-    if config.out_dir:
-        write_outputs(history, Path(config.out_dir))
+    try:
+        strategy.start(
+            grid=metered,
+            initial_arrays=initial_arrays,
+            num_rounds=config.rounds - done,
+            train_config=train_config_record(config),
+            evaluate_config=train_config_record(config),
+            evaluate_fn=evaluate,
+            timeout=timeout,
+        )
+    finally:  # an interrupted or failed run still leaves the rounds it completed
+        if config.out_dir and history.rounds:
+            write_outputs(history, Path(config.out_dir))
     return history
 
 

@@ -1,8 +1,11 @@
 """`fedge` command line: help, a real small run, and bad input that ends in one line, not a traceback."""
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -83,3 +86,28 @@ def test_bad_input_in_a_real_process_prints_no_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
     assert proc.stderr.strip() == "error: unknown engine 'quantum'; choose one of: local, ray, mqtt"
+
+
+def test_ctrl_c_keeps_the_completed_rounds(tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "fedge.cli",
+        "simulate",
+        "--clients",
+        "10",
+        "--rounds",
+        "500",
+        "--out",
+        str(out),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(8)  # start-up, then some rounds
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, output[-2000:]
+    completed = int(re.search(r"interrupted after (\d+) of 500 rounds", output).group(1))  # type: ignore[union-attr]
+    assert completed >= 1, output[-2000:]
+    assert len(json.loads((out / "metrics.json").read_text())["rounds"]) == completed
+    assert (out / "accuracy.png").is_file() and "Traceback" not in output
