@@ -135,17 +135,36 @@ def coordinator(
     log_json: bool = typer.Option(False, "--log-json", help="Log one JSON object per line."),
 ) -> None:
     """Run the coordinator service: rounds over MQTT, a checkpoint and an audit log per round."""
-    from fedge.server.coordinator import CoordinatorConfig, run_coordinator
+    import signal
+
+    from fedge.app.config import ConfigError
+    from fedge.server.coordinator import CoordinatorConfig, read_status, run_coordinator
     from fedge.simulation.display import summary_table
 
     with _config_errors():
         settings = CoordinatorConfig.from_toml(config)
         settings.node_keys()
     _configure_logging(verbose, service=True, json_lines=log_json)
+    # systemctl stop sends SIGTERM: end as Ctrl-C does, through the service's own clean-up (the broker
+    # session closed, status.json written), with status 0, so a supervisor does not count it as a failure.
+    stopped_by: list[int] = []
+
+    def _stop(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
     try:
         history = run_coordinator(settings, resume=resume)
     except (TimeoutError, ConnectionError) as err:
         raise fail(str(err)) from None
+    except KeyboardInterrupt:
+        try:
+            done = read_status(settings.state_dir).get("round", 0)
+        except ConfigError:  # stopped before it wrote any status
+            done = 0
+        typer.echo(f"stopped after round {done}; 'fedge coordinator --resume' continues from there", err=True)
+        raise typer.Exit(0 if stopped_by else 130) from None
     from rich.console import Console
 
     Console().print(summary_table(history, title="fedge coordinator"))

@@ -1,6 +1,13 @@
-"""`fedge coordinator`, `agent` and `status`: bad configuration ends in one line, not a traceback."""
+"""`fedge coordinator`, `agent` and `status`: bad configuration ends in one line, not a traceback; a stopped
+coordinator says where it stopped."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -35,3 +42,29 @@ def test_bad_service_config_is_one_line(tmp_path, monkeypatch, command, toml, ne
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error:") and needle in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_coordinator_stops_cleanly_on_sigterm_and_ctrl_c(broker, tmp_path, signum, code):
+    state = tmp_path / "state"
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        f'state_dir = "{state}"\nwait_for_nodes_s = 120.0\n[mqtt]\nbroker_url = "{broker.url}"\n'
+        'fleet = "stop"\n[app]\nrounds = 2\nmin_nodes = 2\n'
+    )
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fedge", "coordinator", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    while not (state / "status.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # it is up and waiting for nodes
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=30)
+    assert process.returncode == code, output[-2000:]
+    assert "stopped after round 0; 'fedge coordinator --resume'" in output
+    assert "Traceback" not in output
