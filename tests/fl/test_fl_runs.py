@@ -123,14 +123,14 @@ def _honest_run(attackers: bool) -> tuple[RunHistory, dict[int, str]]:
     strategy = StreamingFedAvg(
         CompressionConfig("topk:0.05+int8"), fraction_evaluate=0.0, min_available_nodes=len(grid.contexts)
     )
-    return run(grid, strategy, rounds=3), attacks
+    return run(grid, strategy, rounds=4), attacks
 
 
 def test_malformed_and_poisoned_replies_are_rejected_counted_logged_and_harmless(caplog):
     clean, _ = _honest_run(attackers=False)
     with caplog.at_level(logging.WARNING, logger="fedge.server"):
         attacked, attacks = _honest_run(attackers=True)
-    assert len(attacked.rounds) == 3
+    assert len(attacked.rounds) == 4
     for rnd in attacked.rounds:
         assert rnd.extra["accepted"] == 8 and rnd.extra["rejected"] == len(ATTACKS)
         for reason in EXPECTED_REASON.values():
@@ -139,7 +139,7 @@ def test_malformed_and_poisoned_replies_are_rejected_counted_logged_and_harmless
     for node, kind in attacks.items():
         assert f"rejected the reply of node {node}: {EXPECTED_REASON[kind]}" in caplog.text
     assert abs(attacked.rounds[-1].accuracy - clean.rounds[-1].accuracy) <= 0.01
-    assert clean.rounds[-1].accuracy > clean.initial_accuracy + 0.15  # the honest clients do learn
+    assert clean.rounds[-1].accuracy > clean.initial_accuracy + 0.2
 
 
 # --- composition with Flower's clipping mod and DP wrapper ---------------------------------------------
