@@ -219,6 +219,6 @@ class DigitsTask(Task):
         return digits_split("test")
 
     def prepare(self, num_partitions: int, *, alpha: float, seed: int) -> None:
-        # Loaded before the engine starts its clients, so forked client processes inherit the arrays.
+        # Loaded before the engine starts its clients, so forked client processes inherit their data.
         dirichlet_partitions(num_partitions, alpha, seed)
-        digits_split("test")
+        digits_split("train")
