@@ -32,12 +32,12 @@ mosquitto:
 	@command -v mosquitto >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients; }
 
 lint: install
-	$(BIN)/ruff check fedge tests bench
-	$(BIN)/ruff format --check fedge tests bench
+	$(BIN)/ruff check fedge tests examples
+	$(BIN)/ruff format --check fedge tests examples
 
 format: install
-	$(BIN)/ruff format fedge tests bench
-	$(BIN)/ruff check --fix fedge tests bench
+	$(BIN)/ruff format fedge tests examples
+	$(BIN)/ruff check --fix fedge tests examples
 
 test: install mosquitto lint
 	$(BIN)/pytest -q -p no:cacheprovider

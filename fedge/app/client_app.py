@@ -1,19 +1,19 @@
 """The reference ClientApp: train and evaluate the task's model on this node's partition.
 
-Everything a client needs arrives in the instruction (task path, split, hyper-parameters) or in the node's
-config (``partition-id``, ``num-partitions``), so the same ClientApp runs unchanged under every engine.
+Everything a client needs arrives in the instruction (task path and arguments, split, hyper-parameters) or
+in the node's config (``partition-id``, ``num-partitions``), so the same ClientApp runs unchanged under
+every engine.
 """
 
 from __future__ import annotations
 
 import zlib
-from functools import lru_cache
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedge.app.task import Task, TensorData, TrainConfig, load_task
+from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
 from fedge.client.compression_mod import CompressionMod
 
 __all__ = ["app", "local_seed"]
@@ -21,12 +21,16 @@ __all__ = ["app", "local_seed"]
 # The mod compresses replies only when the coordinator's train message asks for it; otherwise it is inert.
 app = ClientApp(mods=[CompressionMod()])
 
+# Whoever loads the ClientApp (the local engine before it forks, an agent, a Ray actor) pays this once.
+warm_up_torch()
+
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Load the global model, train on the local partition, reply with the new weights."""
     config = msg.content["config"]
-    task, model = _received_model(msg)
+    task = _task(config, context)
+    model = _received_model(task, msg)
     partition_id = int(context.node_config["partition-id"])
     train_config = TrainConfig(
         epochs=int(config["local-epochs"]),
@@ -34,7 +38,7 @@ def train(msg: Message, context: Context) -> Message:
         batch_size=int(config["batch-size"]),
         seed=local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0))),
     )
-    metrics = task.train(model, _partition(config, context), train_config)
+    metrics = task.task.train(model, task.partition(partition_id), train_config)
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
@@ -42,9 +46,9 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on the local partition."""
-    config = msg.content["config"]
-    task, model = _received_model(msg)
-    metrics = task.evaluate(model, _partition(config, context))
+    task = _task(msg.content["config"], context)
+    model = _received_model(task, msg)
+    metrics = task.task.evaluate(model, task.partition(int(context.node_config["partition-id"])))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
@@ -53,24 +57,19 @@ def local_seed(seed: int, partition_id: int, server_round: int) -> int:
     return zlib.crc32(f"{seed}/{partition_id}/{server_round}".encode())
 
 
-@lru_cache(maxsize=4)
-def _task(path: str) -> Task:
-    return load_task(path)
-
-
-def _received_model(msg: Message) -> tuple[Task, nn.Module]:
-    """The instruction's task and its model, loaded with the weights that came with it."""
-    task = _task(str(msg.content["config"]["task"]))
-    model = task.model()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    return task, model
-
-
-def _partition(config: ConfigRecord, context: Context) -> TensorData:
-    task = _task(str(config["task"]))
-    return task.load_partition(
-        int(context.node_config["partition-id"]),
+def _task(config: ConfigRecord, context: Context) -> PreparedTask:
+    """This process's prepared instance of the instruction's task, for this node's split."""
+    return prepare_task(
+        str(config["task"]),
+        str(config.get("task-args", "{}")),
         int(context.node_config["num-partitions"]),
         alpha=float(config["alpha"]),
         seed=int(config["seed"]),
     )
+
+
+def _received_model(task: PreparedTask, msg: Message) -> nn.Module:
+    """The task's model, loaded with the weights that came with the instruction."""
+    model = task.task.model()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    return model

@@ -2,23 +2,24 @@
 
 Flower hands a ServerApp its configuration as ``context.run_config`` (a flat mapping with hyphenated keys,
 from ``[tool.flwr.app.config]`` in pyproject.toml or from ``flwr run --run-config``). :class:`AppConfig` is
-that mapping as a typed, validated object; ``fedge simulate`` builds one from flags and TOML.
+that mapping as a typed, validated object; ``fedge simulate`` builds one from flags and TOML, the
+coordinator from the ``[app]`` table of its config file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-__all__ = ["AppConfig", "ConfigError", "read_toml"]
+from fedge.compression import CodecConfigError, build_codec
+from fedge.config import ConfigError, check_types, from_table
+from fedge.server.downlink import FULL_MODEL_CODECS
+from fedge.server.optimizers import OPTIMIZERS
 
-
-class ConfigError(ValueError):
-    """A configuration key or value that fedge cannot use; the message names it."""
+__all__ = ["AppConfig"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,10 @@ class AppConfig:
     seed : int (default: 0)
         Seeds model initialisation, client sampling, partitioning and local shuffling.
     task : str (default: "fedge.app.task:DigitsTask")
-        Import path of the :class:`fedge.app.task.Task` to learn.
+        The :class:`fedge.app.task.Task` to learn: ``package.module:TaskClass`` or
+        ``path/to/file.py:TaskClass``.
+    task_args : dict (default: {})
+        Keyword arguments of the task's constructor (a ``[task]`` table in TOML, ``--task-arg key=value``).
     out_dir : str (default: "")
         Where metrics.json and plots go; empty writes nothing.
     min_nodes : int (default: 1)
@@ -75,6 +79,7 @@ class AppConfig:
     alpha: float = 0.5
     seed: int = 0
     task: str = "fedge.app.task:DigitsTask"
+    task_args: dict[str, Any] = field(default_factory=dict)
     out_dir: str = ""
     min_nodes: int = 1
     codec: str = ""
@@ -90,7 +95,7 @@ class AppConfig:
     _RUN_CONFIG_KEYS: ClassVar[dict[str, str]] = {"rounds": "num-server-rounds"}
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         checks = [
             (self.rounds >= 1, "rounds must be >= 1"),
             (0.0 < self.fraction_train <= 1.0, "fraction_train must be in (0, 1]"),
@@ -98,20 +103,22 @@ class AppConfig:
             (self.learning_rate > 0.0, "learning_rate must be > 0"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.alpha > 0.0, "alpha must be > 0"),
-            (":" in self.task, "task must be 'package.module:TaskClass'"),
+            (":" in self.task, "task must be 'package.module:TaskClass' or 'path/to/file.py:TaskClass'"),
             (self.min_nodes >= 1, "min_nodes must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        try:
+            json.dumps(self.task_args)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                "task_args must hold only strings, numbers, booleans, lists and tables"
+            ) from None
         self._check_compression()
 
     def _check_compression(self) -> None:
         """Compression settings: valid specs, and none of them without an uplink codec."""
-        from fedge.compression import CodecConfigError, build_codec  # numpy only; keeps config import light
-        from fedge.server.downlink import FULL_MODEL_CODECS
-        from fedge.server.optimizers import OPTIMIZERS
-
         for key in ("codec", "downlink_codec"):
             if getattr(self, key):
                 try:
@@ -142,40 +149,45 @@ class AppConfig:
             if not ok:
                 raise ConfigError(message)
 
+    @property
+    def task_args_json(self) -> str:
+        """``task_args`` as canonical JSON: how they travel to clients in the train config."""
+        return json.dumps(self.task_args, sort_keys=True)
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], *, where: str = "") -> AppConfig:
+        """From a TOML table (or flags): ``task`` may be a string or a ``[task]`` table whose ``path`` names
+        the class and whose other keys are its constructor's arguments."""
+        values = dict(table)
+        task = values.get("task")
+        if isinstance(task, Mapping):
+            task = dict(task)
+            if "path" not in task:
+                raise ConfigError(f"missing key {(where + '.' if where else '') + 'task.path'!r}")
+            values["task"] = task.pop("path")
+            values["task_args"] = {**task, **values.get("task_args", {})}
+        return from_table(cls, values, where=where)
+
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
         """Build from Flower's ``context.run_config``; keys fedge does not know are left to other apps."""
-        values = {}
-        for field in dataclasses.fields(cls):
-            key = cls._RUN_CONFIG_KEYS.get(field.name, field.name.replace("_", "-"))
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = cls._RUN_CONFIG_KEYS.get(f.name, f.name.replace("_", "-"))
             if key in run_config:
-                values[field.name] = run_config[key]
-        return cls(**values)
+                values[f.name] = run_config[key]
+        if isinstance(values.get("task_args"), str):  # Flower's run config is flat: the args travel as JSON
+            try:
+                values["task_args"] = json.loads(values["task_args"] or "{}")
+            except ValueError as err:
+                raise ConfigError(f"task-args is not JSON: {err}") from None
+        return cls.from_table(values)
 
     def to_run_config(self) -> dict[str, bool | int | float | str]:
         """Flower's flat, hyphenated form (what ``from_run_config`` reads)."""
-        return {
+        flat = {
             self._RUN_CONFIG_KEYS.get(f.name, f.name.replace("_", "-")): getattr(self, f.name)
             for f in dataclasses.fields(self)
         }
-
-
-def _check_types(config: Any) -> None:
-    """Coerce ints given for floats; reject anything else of the wrong type, naming the key."""
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        expected = {"int": int, "float": float, "str": str, "bool": bool}[str(field.type)]
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            object.__setattr__(config, field.name, float(value))
-        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ConfigError(f"{field.name} must be {expected.__name__}, got {value!r}")
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file; a missing or malformed file is a :class:`ConfigError` naming it."""
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+        flat["task-args"] = self.task_args_json
+        return flat

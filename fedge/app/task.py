@@ -4,22 +4,43 @@ A :class:`Task` bundles the model factory, a client's data partition, local trai
 server's held-out test set. The reference task, :class:`DigitsTask`, learns the handwritten digits that ship
 with scikit-learn (1,797 8×8 images) with a small CNN; clients get non-IID partitions from a Dirichlet split
 over labels made by flwr-datasets' ``DirichletPartitioner`` (its data side is :mod:`fedge.app.digits`).
-Users plug their own task by import path, ``package.module:TaskClass`` (see :func:`load_task`).
+Users plug their own task by import path, ``package.module:TaskClass`` or ``path/to/file.py:TaskClass``,
+with keyword arguments for its constructor (see :func:`load_task` and ``docs/tasks.md``).
+
+In every process, a run's task is one instance, prepared once for the run's split (:func:`prepare_task`):
+what :meth:`Task.prepare` caches on ``self`` is there for :meth:`Task.load_partition` and
+:meth:`Task.test_set`, and a client's partition is loaded once, not every round.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import torch
+import torch.optim
 from torch import nn
 
 from fedge.app.digits import digits_split, dirichlet_partitions
 from fedge.importing import import_attribute
 
-__all__ = ["DigitsTask", "MomentumSGD", "Task", "TaskLoadError", "TensorData", "TrainConfig", "load_task"]
+__all__ = [
+    "DigitsTask",
+    "PreparedTask",
+    "Task",
+    "TaskLoadError",
+    "TensorData",
+    "TrainConfig",
+    "load_task",
+    "prepare_task",
+    "warm_up_torch",
+]
 
 TensorData = tuple[torch.Tensor, torch.Tensor]
 """Features and integer labels of one data split."""
@@ -50,49 +71,6 @@ class TrainConfig:
     seed: int = 0
 
 
-class MomentumSGD:
-    r"""Heavy-ball SGD, step for step what ``torch.optim.SGD(params, lr, momentum)`` computes.
-
-    With gradient :math:`g_t`, the buffer is :math:`b_1 = g_1`, :math:`b_t = \mu b_{t-1} + g_t`, and each
-    step moves :math:`\theta \leftarrow \theta - \eta b_t`. ``torch.optim`` imports TorchDynamo the first
-    time any optimizer is built, 1.4 s in every fresh client process (longer than a simulated round of 50
-    clients); these few lines do not.
-
-    Parameters
-    ----------
-    params : iterable of torch.Tensor
-        The parameters to train.
-    lr : float
-        Step size :math:`\eta`.
-    momentum : float (default: 0.9)
-        Momentum :math:`\mu`; 0 gives plain SGD.
-    """
-
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.9) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.lr, self.momentum = lr, momentum
-        self._buffers: list[torch.Tensor | None] = [None] * len(self.params)
-
-    def zero_grad(self) -> None:
-        for param in self.params:
-            param.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for i, param in enumerate(self.params):
-            if param.grad is None:
-                continue
-            direction = param.grad
-            if self.momentum:
-                buffer = self._buffers[i]
-                if buffer is None:
-                    buffer = self._buffers[i] = direction.clone()
-                else:
-                    buffer.mul_(self.momentum).add_(direction)
-                direction = buffer
-            param.add_(direction, alpha=-self.lr)
-
-
 class TaskLoadError(ValueError):
     """A ``module:Class`` task path that does not import or does not name a :class:`Task`."""
 
@@ -102,6 +80,8 @@ class Task(ABC):
 
     Subclasses implement :meth:`model`, :meth:`load_partition` and :meth:`test_set`. The default
     :meth:`train` and :meth:`evaluate` fit classification with cross-entropy on :data:`TensorData`.
+    A task may take keyword arguments in ``__init__`` (a ``[task]`` table, ``--task-arg key=value``); they
+    must be plain values (strings, numbers, booleans, lists, tables): they travel to clients as JSON.
     """
 
     @abstractmethod
@@ -127,21 +107,26 @@ class Task(ABC):
         """
 
     @abstractmethod
-    def test_set(self) -> TensorData:
-        """The held-out test split the server evaluates the global model on."""
+    def test_set(self, num_partitions: int, *, alpha: float, seed: int) -> TensorData:
+        """The held-out test split the server evaluates the global model on.
+
+        It gets the run's split (as :meth:`load_partition` does), so a test set pooled from held-out
+        client data can be built without hard-coding them.
+        """
 
     def prepare(self, num_partitions: int, *, alpha: float, seed: int) -> None:  # noqa: B027 (optional hook)
-        """One-time work before clients start (partitioning, caching); engines call it once per run.
+        """One-time work for a run's split (partitioning, caching), before any other call on this instance.
 
-        The default does nothing. Tasks whose ``load_partition`` is expensive compute and cache here, so
-        that hundreds of client processes do not all repeat it.
+        Called once per process on the very instance that then serves :meth:`load_partition` and
+        :meth:`test_set`, so caching on ``self`` works. The local engine prepares before it forks its
+        workers, so they inherit what was prepared. The default does nothing.
         """
 
     def train(self, model: nn.Module, data: TensorData, config: TrainConfig) -> dict[str, float]:
         """Train ``model`` in place on ``data``; return ``train_loss`` and ``num-examples``."""
         features, labels = data
         generator = torch.Generator().manual_seed(config.seed)
-        optimizer = MomentumSGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum)
         loss_fn = nn.CrossEntropyLoss()
         model.train()
         total, seen = 0.0, 0
@@ -168,12 +153,97 @@ class Task(ABC):
         return {"loss": loss, "accuracy": correct / max(len(labels), 1), "num-examples": float(len(labels))}
 
 
-def load_task(path: str) -> Task:
-    """Instantiate a task from ``"package.module:TaskClass"``; raise :class:`TaskLoadError` if it fails."""
+def load_task(path: str, args: Mapping[str, Any] | None = None) -> Task:
+    """Instantiate a task from ``"package.module:TaskClass"`` (or ``"file.py:TaskClass"``) with ``args``.
+
+    Raises
+    ------
+    TaskLoadError
+        If the path does not import, does not name a :class:`Task` subclass, or its constructor refuses
+        ``args`` (the message names the task and the problem).
+    """
     cls = import_attribute(path, "task", TaskLoadError)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise TaskLoadError(f"{path!r} does not name a fedge.app.task.Task subclass")
-    return cls()
+    try:
+        return cls(**dict(args or {}))
+    except TypeError as err:
+        raise TaskLoadError(f"task {path!r} does not take these arguments: {err}") from None
+    except Exception as err:  # the task's own checks of its arguments
+        raise TaskLoadError(f"task {path!r} refused its arguments: {err}") from None
+
+
+class PreparedTask:
+    """A task instance prepared for one run's split, its clients' partitions cached.
+
+    Parameters
+    ----------
+    task : Task
+        The instance; :meth:`Task.prepare` is called on it here.
+    num_partitions : int
+        Clients sharing the training data.
+    alpha : float
+        Dirichlet concentration of the split.
+    seed : int
+        The run's seed.
+    cached_partitions : int (default: 128)
+        Partitions kept in memory (a worker process of the local engine serves many clients).
+    """
+
+    def __init__(
+        self, task: Task, num_partitions: int, *, alpha: float, seed: int, cached_partitions: int = 128
+    ) -> None:
+        self.task = task
+        self.num_partitions, self.alpha, self.seed = num_partitions, alpha, seed
+        self._cache_size = cached_partitions
+        self._partitions: OrderedDict[int, TensorData] = OrderedDict()
+        self._lock = threading.Lock()  # the thread-pool engine shares one instance between clients
+        task.prepare(num_partitions, alpha=alpha, seed=seed)
+
+    def partition(self, partition_id: int) -> TensorData:
+        """Client ``partition_id``'s training data, loaded once while it stays in the cache."""
+        with self._lock:
+            if partition_id in self._partitions:
+                self._partitions.move_to_end(partition_id)
+                return self._partitions[partition_id]
+        data = self.task.load_partition(partition_id, self.num_partitions, alpha=self.alpha, seed=self.seed)
+        with self._lock:
+            self._partitions[partition_id] = data
+            while len(self._partitions) > self._cache_size:
+                self._partitions.popitem(last=False)
+        return data
+
+    def test_set(self) -> TensorData:
+        """The task's held-out test split for this run."""
+        return self.task.test_set(self.num_partitions, alpha=self.alpha, seed=self.seed)
+
+
+def prepare_task(path: str, args_json: str, num_partitions: int, *, alpha: float, seed: int) -> PreparedTask:
+    """This process's prepared instance of a run's task (one per task, arguments and split).
+
+    ``args_json`` is the constructor's keyword arguments as JSON (hashable, and how they travel).
+    """
+    return _prepared(path, args_json, num_partitions, float(alpha), int(seed))
+
+
+@lru_cache(maxsize=8)
+def _prepared(path: str, args_json: str, num_partitions: int, alpha: float, seed: int) -> PreparedTask:
+    try:
+        args = json.loads(args_json or "{}")
+    except ValueError as err:
+        raise TaskLoadError(f"task arguments are not JSON: {err}") from None
+    if not isinstance(args, dict):
+        raise TaskLoadError("task arguments must be a JSON object")
+    return PreparedTask(load_task(path, args), num_partitions, alpha=alpha, seed=seed)
+
+
+def warm_up_torch() -> None:
+    """Build one optimizer, so this process pays TorchDynamo's import now rather than in a client call.
+
+    ``torch.optim`` imports TorchDynamo the first time an optimizer is built: about 1.4 s. The local engine's
+    parent does it before forking its workers, and an agent or a Ray actor once when it loads the ClientApp.
+    """
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 class DigitsCNN(nn.Module):
@@ -215,7 +285,7 @@ class DigitsTask(Task):
         features, labels = digits_split("train")
         return features[indices], labels[indices]
 
-    def test_set(self) -> TensorData:
+    def test_set(self, num_partitions: int, *, alpha: float, seed: int) -> TensorData:
         return digits_split("test")
 
     def prepare(self, num_partitions: int, *, alpha: float, seed: int) -> None:

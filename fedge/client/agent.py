@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import platform
 import struct
 import threading
 import time
@@ -21,32 +19,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode
 
-from fedge.app.config import ConfigError, read_toml
 from fedge.atomic import write_bytes_atomic
-from fedge.compat import (
+from fedge.config import ConfigError, check_types, from_table, read_secret, read_toml
+from fedge.devices.profile import measure_device
+from fedge.flower.compat import (
     MessageDecodeError,
     context_from_bytes,
     context_to_bytes,
     message_from_bytes,
     message_to_bytes,
 )
+from fedge.flower.node import call_client_app, make_context
 from fedge.importing import import_attribute
+from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id, validate_name
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import Delivery, NodeEndpoint
-from fedge.transport.grid import PROFILE_PREFIX, flower_node_id
 from fedge.transport.signing import sign
-from fedge.transport.toml_config import mqtt_config_from_mapping, read_secret
 
-__all__ = ["AgentConfig", "DeviceAgent", "device_profile", "load_client_app"]
+__all__ = ["AgentConfig", "DeviceAgent", "load_client_app"]
 
 log = logging.getLogger(__name__)
-
-_REPLY_PREFIX = "reply:"
 
 
 @dataclass
@@ -79,22 +74,32 @@ class AgentConfig:
     signing_key: bytes | None = None
     max_instruction_bytes: int = 256 * 1024 * 1024
 
+    def __post_init__(self) -> None:
+        check_types(self)
+        try:
+            validate_name(self.node_id, "node id")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if not self.state_dir:
+            raise ConfigError("state_dir must not be empty")
+        if self.max_instruction_bytes < 1:
+            raise ConfigError(f"max_instruction_bytes must be >= 1, got {self.max_instruction_bytes}")
+        if self.signing_key is not None and not self.signing_key:
+            raise ConfigError("signing key is empty")
+
     @classmethod
     def from_toml(cls, path: str | Path) -> AgentConfig:
         """``node_id``, ``state_dir``, ``client_app``, ``signing_key_file`` at the top level, an ``[mqtt]``
-        table and a ``[node_config]`` table."""
+        table and a ``[node_config]`` table; the MQTT username defaults to the node id."""
         values = read_toml(path)
         key_file = values.pop("signing_key_file", None)
         if key_file is not None:
             values["signing_key"] = read_secret(key_file, "signing key").encode()
+        mqtt = MqttConfig.from_table(values.pop("mqtt", {}))
         node_id = values.get("node_id")
-        mqtt = mqtt_config_from_mapping(values.pop("mqtt", {}))
         if mqtt.username is None and isinstance(node_id, str):
             mqtt = dataclasses.replace(mqtt, username=node_id)
-        try:
-            return cls(mqtt=mqtt, **values)
-        except TypeError as err:
-            raise ConfigError(f"{path}: {err}") from None
+        return from_table(cls, {**values, "mqtt": mqtt})
 
 
 def load_client_app(path: str) -> ClientApp:
@@ -103,19 +108,6 @@ def load_client_app(path: str) -> ClientApp:
     if not isinstance(app, ClientApp):
         raise ValueError(f"{path!r} does not name a flwr ClientApp")
     return app
-
-
-def device_profile() -> dict[str, Any]:
-    """What the coordinator may use to schedule this device."""
-    memory = psutil.virtual_memory()
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count() or 1,
-        "memory_total_mb": memory.total // 2**20,
-        "memory_available_mb": memory.available // 2**20,
-        "python": platform.python_version(),
-    }
 
 
 class DeviceAgent:
@@ -142,7 +134,7 @@ class DeviceAgent:
         """Connect, report the device profile and finish instructions left by a crash."""
         self._endpoint.start()
         self._endpoint.send(
-            _json_bytes(device_profile()), message_id=f"{PROFILE_PREFIX}{self._endpoint.epoch}", expiry_s=3600
+            measure_device().to_bytes(), message_id=f"{PROFILE_PREFIX}{self._endpoint.epoch}", expiry_s=3600
         )
         for path in sorted(self._inbox_dir.glob("*.msg")):
             log.info("resuming instruction %s left by a previous run", path.stem)
@@ -190,27 +182,17 @@ class DeviceAgent:
                 self._save_state(context, instruction_id, reply_bytes)
                 self.handled += 1
             (self._inbox_dir / f"{instruction_id}.msg").unlink(missing_ok=True)
-        self._endpoint.send(reply_bytes, message_id=f"{_REPLY_PREFIX}{instruction_id}")
+        self._endpoint.send(reply_bytes, message_id=f"{REPLY_PREFIX}{instruction_id}")
 
     def _run_app(self, message: Message, context: Context) -> Message:
         started = time.perf_counter()
-        try:
-            reply = self._app(message, context)
-        except Exception as err:  # the coordinator learns of it; the agent stays up
-            log.exception("ClientApp failed on instruction %s", message.metadata.message_id)
-            reply = Message(
-                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(err)), reply_to=message
-            )
+        reply = call_client_app(self._app, message, context)  # an exception becomes an error reply
         log.info("instruction %s done in %.2f s", message.metadata.message_id, time.perf_counter() - started)
         return reply
 
     def _fresh_context(self, run_id: int) -> Context:
-        return Context(
-            run_id=run_id,
-            node_id=self.flower_node_id,
-            node_config=dict(self.config.node_config),
-            state=RecordDict(),
-            run_config={},
+        return make_context(
+            run_id, self.flower_node_id, {"node-name": self.config.node_id, **self.config.node_config}
         )
 
     # -- state file: context, then the id and bytes of the last reply, each length-prefixed ---------------
@@ -255,9 +237,3 @@ def _unpack(data: bytes, count: int) -> list[bytes]:
 def _safe(message_id: str) -> str:
     """Instruction ids come from the coordinator; keep them to file-name characters."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in message_id)[:128]
-
-
-def _json_bytes(value: Any) -> bytes:
-    import json
-
-    return json.dumps(value).encode()

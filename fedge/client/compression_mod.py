@@ -5,7 +5,7 @@ Place it first (outermost) in a ClientApp's mods::
     app = ClientApp(mods=[CompressionMod(), fixedclipping_mod])     # or LocalDpMod(...)
 
 On a train message that carries the coordinator's compression instruction
-(:data:`fedge.client.protocol.INSTRUCTION_KEY`) the mod
+(:data:`fedge.protocol.records.INSTRUCTION_KEY`) the mod
 
 1. rebuilds the model when it came compressed (a delta applied to the reference model kept in
    ``Context.state``, or a full model), checking the model version, and hands the rest of the chain a
@@ -30,18 +30,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, Message
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
-from fedge.client.protocol import (
+from fedge.compression import DEFAULT_MAX_ELEMENTS, Codec, CodecError, ErrorFeedback, build_codec
+from fedge.protocol.records import (
     APPROXIMATE,
     FULL,
     INSTRUCTION_KEY,
     UPDATE_KEY,
     Instruction,
     ProtocolError,
-    advance_reference,
     arrays_to_record,
     record_to_arrays,
 )
-from fedge.compression import DEFAULT_MAX_ELEMENTS, Codec, CodecError, ErrorFeedback, build_codec
+from fedge.protocol.reference import advance_reference
 
 __all__ = ["EF_STATE_KEY", "REFERENCE_INFO_KEY", "REFERENCE_KEY", "CompressionMod"]
 

@@ -29,7 +29,7 @@ from fedge.compression.powersgd import PowerSGD
 from fedge.compression.quantize import QSGD, BFloat16, BlockInt4, BlockInt8, Float16, Float32, Sign
 from fedge.compression.rice import position_bound_bits
 from fedge.compression.sparsify import RandomK, Threshold, TopK
-from fedge.compression.spec import build_codec, codec_from_toml
+from fedge.compression.spec import build_codec
 from fedge.compression.wire import (
     DEFAULT_MAX_ELEMENTS,
     PayloadInfo,
@@ -69,7 +69,6 @@ __all__ = [
     "TruncatedPayloadError",
     "UnsupportedVersionError",
     "build_codec",
-    "codec_from_toml",
     "decode",
     "decode_add",
     "dense_nbytes",

@@ -28,10 +28,8 @@ plus an optional ``policy`` table with the :class:`TensorPolicy` fields.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import typing
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from fedge.compression.codec import Codec, TensorPolicy
@@ -40,7 +38,7 @@ from fedge.compression.powersgd import PowerSGD
 from fedge.compression.quantize import QSGD, BFloat16, BlockInt4, BlockInt8, Float16, Float32, Sign
 from fedge.compression.sparsify import RandomK, Threshold, TopK
 
-__all__ = ["build_codec", "codec_from_toml"]
+__all__ = ["build_codec"]
 
 _SPARSIFIERS = (TopK, RandomK, Threshold)
 _STAGES: dict[str, type] = {
@@ -66,21 +64,6 @@ def build_codec(spec: str | Mapping[str, Any]) -> Codec:
     if isinstance(spec, Mapping):
         return _from_mapping(spec)
     raise CodecConfigError(f"codec spec must be a string or a mapping, got {type(spec).__name__}")
-
-
-def codec_from_toml(path: str | Path) -> Codec:
-    """Build a codec from a TOML file: its ``[codec]`` table, or the whole document if there is none."""
-    try:
-        with open(path, "rb") as file:
-            document = tomllib.load(file)
-    except OSError as error:
-        raise CodecConfigError(f"cannot read codec config {path}: {error.strerror}") from error
-    except tomllib.TOMLDecodeError as error:
-        raise CodecConfigError(f"{path}: invalid TOML: {error}") from error
-    table = document.get("codec", document)
-    if not isinstance(table, Mapping):
-        raise CodecConfigError(f"{path}: [codec] must be a table")
-    return _from_mapping(table)
 
 
 def _from_string(text: str) -> Codec:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from fedge.client.protocol import INSTRUCTION_KEY, Instruction
 from fedge.compression import CodecConfigError, build_codec
+from fedge.protocol.records import INSTRUCTION_KEY, Instruction
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
 from fedge.server.screening import (
     REJECTION_REASONS,

@@ -22,8 +22,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedge.client.protocol import UPDATE_KEY, arrays_to_record, record_to_arrays
 from fedge.compression import decode_add
+from fedge.protocol.records import UPDATE_KEY, arrays_to_record, record_to_arrays
 from fedge.server.channel import CompressedChannel, CompressionConfig
 
 __all__ = ["DecodingStrategy"]

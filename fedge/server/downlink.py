@@ -2,7 +2,7 @@
 
 The coordinator keeps one reference model ``M`` (what up-to-date clients hold) and the global model
 ``x``. Each round it encodes ``x − M`` with the delta codec and advances ``M`` by exactly what the
-payload decodes to (:func:`fedge.client.protocol.advance_reference`); clients that hold ``M`` apply the
+payload decodes to (:func:`fedge.protocol.reference.advance_reference`); clients that hold ``M`` apply the
 same payload and get the same ``M``. What the codec left out stays in ``x − M`` and travels in a later
 round: that difference *is* the server-side error-feedback residual, so it needs no memory of its own.
 
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedge.client.protocol import APPROXIMATE, FULL, advance_reference, snap_to_grid
 from fedge.compression import Codec, build_codec
+from fedge.protocol.records import APPROXIMATE, FULL
+from fedge.protocol.reference import advance_reference, snap_to_grid
 
 __all__ = ["FULL_MODEL_CODECS", "DownlinkConfig", "Download", "ModelBroadcast"]
 
@@ -126,10 +127,6 @@ class ModelBroadcast:
         """Record that ``node_id`` trained from ``version`` after receiving ``download``."""
         if version == self.version and download.base != APPROXIMATE:
             self._holders[node_id] = version
-
-    def holds(self, node_id: int) -> int | None:
-        """The version ``node_id`` is known to hold, if any."""
-        return self._holders.get(node_id)
 
 
 def _size(arrays: Mapping[str, np.ndarray]) -> int:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
-from fedge.compat import Run, message_to_bytes
-from fedge.grid_base import RunGrid
+from fedge.flower.compat import Run, message_to_bytes
+from fedge.flower.grid import RunGrid
 
 __all__ = ["MeteredGrid", "RoundTraffic"]
 

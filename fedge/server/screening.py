@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
-from fedge.client.protocol import UPDATE_KEY
 from fedge.compression import CodecError, NonFiniteValueError, decode
+from fedge.protocol.records import UPDATE_KEY
 
 __all__ = ["REJECTION_REASONS", "Rejected", "ReplyScreen", "ScreenedReply", "ratio_outliers", "screen_reply"]
 

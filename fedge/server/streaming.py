@@ -18,8 +18,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedge.client.protocol import arrays_to_record, record_to_arrays
 from fedge.compression import CodecError, decode_add
+from fedge.protocol.records import arrays_to_record, record_to_arrays
 from fedge.server.channel import CompressedChannel, CompressionConfig
 from fedge.server.optimizers import ServerOptimizer
 from fedge.server.screening import Rejected

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedge.app.config import AppConfig, ConfigError, read_toml
+from fedge.app.config import AppConfig
+from fedge.config import ConfigError, check_types, from_table, read_toml
 
 __all__ = ["ENGINES", "SimulationConfig"]
 
@@ -51,25 +52,25 @@ class SimulationConfig:
     app: AppConfig = field(default_factory=AppConfig)
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; choose one of: {', '.join(ENGINES)}")
-        if isinstance(self.clients, bool) or not isinstance(self.clients, int) or self.clients < 1:
-            raise ConfigError(f"clients must be an integer >= 1, got {self.clients!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
-            raise ConfigError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.clients < 1:
+            raise ConfigError(f"clients must be >= 1, got {self.clients!r}")
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers!r}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SimulationConfig:
-        """Build from flat keys (``clients``, ``rounds``, ``alpha``, ...); unknown keys are an error."""
+        """Build from flat keys (``clients``, ``rounds``, ``alpha``, ..., a ``[task]`` table); unknown keys
+        and wrong types are errors naming the key."""
         own = {f.name for f in dataclasses.fields(cls)} - {"app"}
         app_keys = {f.name for f in dataclasses.fields(AppConfig)}
         unknown = sorted(set(values) - own - app_keys)
         if unknown:
-            raise ConfigError(
-                f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(own | app_keys))}"
-            )
-        app = AppConfig(**{k: v for k, v in values.items() if k in app_keys})
-        return cls(app=app, **{k: v for k, v in values.items() if k in own})
+            raise ConfigError(f"unknown key {unknown[0]!r}; known keys: {', '.join(sorted(own | app_keys))}")
+        app = AppConfig.from_table({k: v for k, v in values.items() if k in app_keys})
+        return from_table(cls, {"app": app, **{k: v for k, v in values.items() if k in own}})
 
     @classmethod
     def from_toml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> SimulationConfig:

@@ -12,10 +12,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedge.app.client_app import app as client_app
 from fedge.app.config import AppConfig
-from fedge.app.server_app import RoundListener, run_federated
-from fedge.app.task import load_task
-from fedge.compat import set_task_identity
-from fedge.server.history import RunHistory
+from fedge.app.server_app import run_federated
+from fedge.app.task import prepare_task
+from fedge.flower.compat import set_task_identity
+from fedge.reporting.history import RoundListener, RunHistory
 from fedge.simulation.config import SimulationConfig
 from fedge.simulation.local_grid import LocalGrid
 
@@ -41,8 +41,15 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
     """
     # Round 1 must sample from every client, not from whoever registered first.
     app_config = dataclasses.replace(config.app, min_nodes=config.clients)
-    # Partition once here rather than in every client (process) of the run.
-    load_task(app_config.task).prepare(config.clients, alpha=app_config.alpha, seed=app_config.seed)
+    # Prepare the task once here: the local engine's forked workers inherit it (and its data), and the
+    # server's test set comes from the same instance.
+    prepare_task(
+        app_config.task,
+        app_config.task_args_json,
+        config.clients,
+        alpha=app_config.alpha,
+        seed=app_config.seed,
+    )
     if config.engine == "ray":
         return _run_ray(config, app_config, list(listeners))
     if config.engine == "mqtt":

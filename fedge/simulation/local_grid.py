@@ -22,11 +22,11 @@ from concurrent.futures import wait as wait_for_futures
 from typing import Any
 
 import torch
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from fedge.compat import (
+from fedge.flower.compat import (
     SUPERLINK_NODE_ID,
     MessageEncoder,
     context_from_bytes,
@@ -35,7 +35,8 @@ from fedge.compat import (
     message_to_bytes,
     set_message_id,
 )
-from fedge.grid_base import RunGrid
+from fedge.flower.grid import RunGrid
+from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.simulation.workers import WorkerPool
 
 __all__ = ["LocalGrid"]
@@ -52,11 +53,7 @@ def _call_client(client_app: ClientApp, payload: bytes, context_bytes: bytes) ->
     """One ClientApp call, as a SuperNode makes it: message and context in, reply and new context out."""
     message = message_from_bytes(payload)
     context = context_from_bytes(context_bytes)
-    try:
-        reply = client_app(message, context)
-    except Exception as err:  # a failing client must not stop the round
-        log.warning("ClientApp on node %s raised: %r", context.node_id, err)
-        reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(err)), reply_to=message)
+    reply = call_client_app(client_app, message, context)
     set_message_id(reply, uuid.uuid4().hex)
     return message_to_bytes(reply), context_to_bytes(context)
 
@@ -116,12 +113,8 @@ class LocalGrid(RunGrid):
         # Node ids follow the SuperLink's own id, which Flower reserves. A node's Context goes to the worker
         # with each call and comes back updated, as it would to and from a SuperNode's ClientApp process.
         self.contexts: dict[int, Context] = {
-            SUPERLINK_NODE_ID + 1 + i: Context(
-                run_id=run_id,
-                node_id=SUPERLINK_NODE_ID + 1 + i,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
-                state=RecordDict(),
-                run_config={},
+            SUPERLINK_NODE_ID + 1 + i: make_context(
+                run_id, SUPERLINK_NODE_ID + 1 + i, {"partition-id": i, "num-partitions": num_nodes}
             )
             for i in range(num_nodes)
         }
@@ -182,8 +175,9 @@ class LocalGrid(RunGrid):
         try:
             reply_bytes, context = future.result()
         except Exception as err:  # the worker process died: only this node's call is lost
-            log.warning("node %s: %s", message.metadata.dst_node_id, err)
-            reply = Message(Error(code=ErrorCode.CLIENT_APP_CRASHED, reason=str(err)), reply_to=message)
+            partition = self.contexts[message.metadata.dst_node_id].node_config["partition-id"]
+            log.warning("partition %s: %s", partition, err)
+            reply = error_reply(message, ErrorCode.CLIENT_APP_CRASHED, str(err))
             set_message_id(reply, uuid.uuid4().hex)
             return reply
         self.contexts[message.metadata.dst_node_id] = context_from_bytes(context)

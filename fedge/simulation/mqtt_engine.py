@@ -17,10 +17,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from fedge.app.config import AppConfig
-from fedge.app.server_app import RoundListener
-from fedge.server.coordinator import CoordinatorConfig, run_coordinator
-from fedge.server.history import RunHistory
-from fedge.transport import EmbeddedBroker, MqttConfig
+from fedge.app.coordinator import CoordinatorConfig, run_coordinator
+from fedge.localnet import EmbeddedBroker
+from fedge.reporting.history import RoundListener, RunHistory
+from fedge.server.service import ServiceConfig
+from fedge.transport import MqttConfig
 
 __all__ = ["run_mqtt_simulation", "write_agent_config"]
 
@@ -64,12 +65,15 @@ def run_mqtt_simulation(
             for i in range(clients)
         ]
         stack.callback(_stop_all, agents)
-        config = CoordinatorConfig(
+        service = ServiceConfig(
             mqtt=MqttConfig(broker_url=coordinator_url or broker_url, fleet=_FLEET),
             state_dir=str(workdir / "coordinator"),
-            app=app_config,
-            wait_for_nodes_s=60.0 + 2.0 * clients,
+            # Agents start in parallel on this machine: on a loaded one that takes a while, so wait as long
+            # as more keep coming online.
+            wait_for_nodes_s=600.0 + 10.0 * clients,
+            node_stall_s=90.0,
         )
+        config = CoordinatorConfig(service=service, app=app_config)
         return run_coordinator(config, listeners=listeners)
 
 

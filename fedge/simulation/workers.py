@@ -148,7 +148,13 @@ class WorkerPool:
         process = self._context.Process(
             target=_serve, args=(child, inherited, self._call, self._initializer), name="fedge-client"
         )
-        process.start()
+        # A Ctrl-C landing inside fork() would raise in the middle of the at-fork handlers (logging's among
+        # them) and leave locks held; it is delivered right after the fork instead.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         worker = _Worker(process, parent)
         self._workers.append(worker)
@@ -178,6 +184,7 @@ def _serve(
     for other in inherited:
         other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinating process's to handle
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked around the fork by the parent
     if initializer is not None:
         initializer()
     while True:

@@ -1,4 +1,4 @@
-"""MQTT transport: a reliable message channel for lossy links, with brokers and a lossy-link proxy.
+"""MQTT transport: a reliable message channel for lossy links, and the Flower Grid over it.
 
 The public face (see ``docs/mqtt-protocol.md`` for the topics and frames)::
 
@@ -19,11 +19,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fedge.transport.broker import EmbeddedBroker, MosquittoBroker, free_port, wait_for_port
     from fedge.transport.channel import ReliableChannel
-    from fedge.transport.config import BrokerAddress, ConfigError, MqttConfig, TransferSettings
+    from fedge.transport.config import BrokerAddress, MqttConfig, TransferSettings
     from fedge.transport.endpoints import CoordinatorEndpoint, Delivery, NodeEndpoint
-    from fedge.transport.netem import LinkProfile, LossyLinkProxy, ProxyStats
     from fedge.transport.presence import NodeStatus
     from fedge.transport.receiver import ReceiverStats
     from fedge.transport.sender import SenderStats, TransferError, TransferHandle
@@ -31,11 +29,9 @@ if TYPE_CHECKING:
 
 # Loaded on first use, so that importing a light submodule (e.g. the CLI commands) stays light.
 _HOMES = {
-    "broker": ["EmbeddedBroker", "MosquittoBroker", "free_port", "wait_for_port"],
     "channel": ["ReliableChannel"],
-    "config": ["BrokerAddress", "ConfigError", "MqttConfig", "TransferSettings"],
+    "config": ["BrokerAddress", "MqttConfig", "TransferSettings"],
     "endpoints": ["CoordinatorEndpoint", "Delivery", "NodeEndpoint"],
-    "netem": ["LinkProfile", "LossyLinkProxy", "ProxyStats"],
     "presence": ["NodeStatus"],
     "receiver": ["ReceiverStats"],
     "sender": ["SenderStats", "TransferError", "TransferHandle"],
@@ -45,17 +41,11 @@ _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "BrokerAddress",
-    "ConfigError",
     "CoordinatorEndpoint",
     "Delivery",
-    "EmbeddedBroker",
-    "LinkProfile",
-    "LossyLinkProxy",
-    "MosquittoBroker",
     "MqttConfig",
     "NodeEndpoint",
     "NodeStatus",
-    "ProxyStats",
     "ReceiverStats",
     "ReliableChannel",
     "SenderStats",
@@ -63,8 +53,6 @@ __all__ = [
     "TransferError",
     "TransferHandle",
     "TransferSettings",
-    "free_port",
-    "wait_for_port",
 ]
 
 

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from fedge.transport.topics import validate_name
+from fedge.config import ConfigError, from_table, read_secret
+from fedge.protocol.fleet import validate_name
 
-__all__ = ["BrokerAddress", "ConfigError", "MqttConfig", "TransferSettings"]
+__all__ = ["BrokerAddress", "MqttConfig", "TransferSettings"]
 
 KiB = 1024
 MiB = 1024 * KiB
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +199,15 @@ class MqttConfig:
                 raise ConfigError(f"{name} {path!r} is not a readable file")
         if not self.address.tls and (self.ca_file or self.cert_file):
             raise ConfigError("TLS files given but broker_url is not mqtts://")
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], *, where: str = "mqtt") -> MqttConfig:
+        """From an ``[mqtt]`` table: MqttConfig's keys, ``password_file`` instead of ``password`` if wanted,
+        and a ``[mqtt.transfer]`` sub-table of :class:`TransferSettings`."""
+        values = dict(table)
+        if "password_file" in values:
+            values["password"] = read_secret(values.pop("password_file"), "password")
+        return from_table(cls, values, where=where)
 
     @property
     def address(self) -> BrokerAddress:

@@ -9,14 +9,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fedge.config import ConfigError
+from fedge.protocol.fleet import validate_name
 from fedge.transport.channel import ReliableChannel
-from fedge.transport.config import ConfigError, MqttConfig
+from fedge.transport.config import MqttConfig
 from fedge.transport.connection import Will
 from fedge.transport.frames import FrameError, PresenceFrame, PresenceStatus, decode_frame, encode_presence
 from fedge.transport.presence import EpochClock, NodeStatus, PresenceTracker
 from fedge.transport.receiver import Completed
 from fedge.transport.sender import TransferHandle
-from fedge.transport.topics import Topics, ack_topic, validate_name
+from fedge.transport.topics import Topics, ack_topic
 
 __all__ = ["CoordinatorEndpoint", "Delivery", "NodeEndpoint"]
 

@@ -9,8 +9,6 @@ logged and counted. Nodes are named by strings on the wire; Flower sees a stable
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
@@ -22,29 +20,22 @@ from typing import Any
 
 from flwr.app import Message
 
-from fedge.compat import SUPERLINK_NODE_ID, MessageDecodeError, MessageEncoder, message_from_bytes
-from fedge.compat import set_message_id as _set_message_id
-from fedge.grid_base import RunGrid
+from fedge.config import ConfigError
+from fedge.devices.profile import DeviceProfile
+from fedge.flower.compat import MessageDecodeError, MessageEncoder, message_from_bytes
+from fedge.flower.compat import set_message_id as _set_message_id
+from fedge.flower.grid import RunGrid
+from fedge.protocol.fleet import PROFILE_PREFIX, flower_node_id
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
 from fedge.transport.sender import TransferError
 from fedge.transport.signing import SignatureError, verify
 
-__all__ = ["PROFILE_PREFIX", "MqttGrid", "flower_node_id"]
+__all__ = ["MqttGrid"]
 
 log = logging.getLogger(__name__)
 
-PROFILE_PREFIX = "profile:"
-"""Message ids starting with this carry a node's device profile (JSON), not a Flower message."""
-
-_MAX_PROFILE_BYTES = 16 * 1024
 _FORGET_AFTER = 100_000  # answered or abandoned instruction ids remembered, to recognise late replies
-
-
-def flower_node_id(name: str) -> int:
-    """The Flower node id of the node named ``name``: stable across processes, never the SuperLink's."""
-    value = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") >> 1
-    return value if value > SUPERLINK_NODE_ID else value + SUPERLINK_NODE_ID + 1
 
 
 @dataclass
@@ -84,7 +75,7 @@ class MqttGrid(RunGrid):
         self._awaited: dict[str, _Awaited] = {}
         self._replies: dict[str, Message] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
-        self.profiles: dict[str, dict[str, Any]] = {}
+        self.profiles: dict[str, DeviceProfile] = {}
         self.dropped: Counter[str] = Counter()
         self.endpoint = CoordinatorEndpoint(config, on_message=self._on_delivery)
 
@@ -104,11 +95,19 @@ class MqttGrid(RunGrid):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def wait_for_nodes(self, count: int, timeout: float) -> bool:
-        """Block until ``count`` nodes are online (True) or ``timeout`` seconds pass (False)."""
-        deadline = time.monotonic() + timeout
-        while len(self.endpoint.online_nodes()) < count:
-            if time.monotonic() > deadline:
+    def wait_for_nodes(self, count: int, timeout: float, *, stall_timeout: float | None = None) -> bool:
+        """Block until ``count`` nodes are online (True) or ``timeout`` seconds pass (False).
+
+        With ``stall_timeout``, also give up once that long passes without one more node coming online:
+        a fleet that is still starting on a loaded machine gets the time it needs, a stuck one does not.
+        """
+        start = last_progress = time.monotonic()
+        best = 0
+        while (online := len(self.endpoint.online_nodes())) < count:
+            now = time.monotonic()
+            if online > best:
+                best, last_progress = online, now
+            if now - start > timeout or (stall_timeout is not None and now - last_progress > stall_timeout):
                 return False
             time.sleep(0.1)
         return True
@@ -214,12 +213,8 @@ class MqttGrid(RunGrid):
 
     def _on_profile(self, delivery: Delivery) -> None:
         try:
-            if len(delivery.payload) > _MAX_PROFILE_BYTES:
-                raise ValueError("too large")
-            profile = json.loads(bytes(delivery.payload))
-            if not isinstance(profile, dict):
-                raise ValueError("not an object")
-        except ValueError as err:
+            profile = DeviceProfile.from_bytes(bytes(delivery.payload))
+        except ConfigError as err:
             self._reject(delivery.node_id, "-", "bad-profile", str(err))
             return
         self.profiles[delivery.node_id] = profile

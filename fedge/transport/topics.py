@@ -13,20 +13,11 @@ The ACK topic of a data topic is always the data topic plus ``/ack``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-__all__ = ["Topics", "ack_topic", "validate_name"]
+from fedge.protocol.fleet import is_valid_name, validate_name
 
-# No ":" — node ids double as MQTT usernames, and Mosquitto's password file is "user:hash" per line.
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-def validate_name(value: str, what: str) -> str:
-    """Return ``value`` if it is a safe topic level (letters, digits, ``_.-``, 1-64 chars), else raise."""
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'")
-    return value
+__all__ = ["Topics", "ack_topic"]
 
 
 def ack_topic(data_topic: str) -> str:
@@ -111,5 +102,5 @@ class Topics:
         if len(parts) < 4 or parts[0] != "fedge" or parts[1] != self.fleet:
             return None
         if (parts[2] == "node" and len(parts) in (5, 6)) or (parts[2] == "presence" and len(parts) == 4):
-            return parts[3] if _NAME.match(parts[3]) else None
+            return parts[3] if is_valid_name(parts[3]) else None
         return None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,7 +20,6 @@ from fedge.compression import (
     TensorPolicy,
     TopK,
     build_codec,
-    codec_from_toml,
 )
 from fedge.compression.bits import Reader, pack_uint, packed_size, put_varint, unpack_uint
 from fedge.compression.sparsify import random_positions
@@ -117,21 +114,6 @@ def test_mappings_with_stage_tables_or_a_spec() -> None:
     ]:
         with pytest.raises(CodecConfigError, match=message):
             build_codec(bad)
-
-
-def test_codec_from_toml_reads_the_codec_table(tmp_path: Path) -> None:
-    path = tmp_path / "codec.toml"
-    path.write_text('[codec]\nspec = "topk:0.01+int8"\n[codec.policy]\nmin_elements = 4096\n')
-    assert codec_from_toml(path) == Codec(
-        TopK(0.01), values=BlockInt8(), policy=TensorPolicy(min_elements=4096)
-    )
-    path.write_text('[sparsify]\nname = "randk"\ndensity = 0.05\n')
-    assert codec_from_toml(path) == Codec(RandomK(0.05))
-    path.write_text("[codec\n")
-    with pytest.raises(CodecConfigError, match="invalid TOML"):
-        codec_from_toml(path)
-    with pytest.raises(CodecConfigError, match="cannot read codec config"):
-        codec_from_toml(tmp_path / "missing.toml")
 
 
 @settings(max_examples=300, deadline=None)

@@ -22,7 +22,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.reasoncodes import ReasonCode
 
-from fedge.transport.broker import free_port, wait_for_port
+from fedge.localnet.broker import free_port, wait_for_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MOSQUITTO = "/usr/sbin/mosquitto"

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from deploy_broker import DEPLOY, run_script
 
+from fedge.app.coordinator import CoordinatorConfig
 from fedge.client.agent import AgentConfig
-from fedge.server.coordinator import CoordinatorConfig
 
 COMPOSE = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
 FEDGE_SERVICES = {name: s for name, s in COMPOSE["services"].items() if name != "mosquitto"}
@@ -86,14 +86,15 @@ def test_compose_configs_load_with_what_is_mounted(compose_secrets, tmp_path):
         local = localize(table[config_path], table, tmp_path / f"{name}.toml")
         loaded[name] = (CoordinatorConfig if name == "coordinator" else AgentConfig).from_toml(local)
     coordinator = loaded.pop("coordinator")
-    assert coordinator.mqtt.username == "coordinator" and coordinator.node_keys_dir is not None
+    assert coordinator.service.mqtt.username == "coordinator"
+    assert coordinator.service.node_keys_dir is not None
     assert coordinator.app.min_nodes == len(AGENTS)
     partitions = sorted(agent.node_config["partition-id"] for agent in loaded.values())
     assert partitions == list(range(len(AGENTS)))
     for agent in loaded.values():
         assert agent.node_config["num-partitions"] == len(AGENTS)
         assert agent.mqtt.username == agent.node_id, "the ACL isolates nodes by username == node id"
-        assert agent.mqtt.fleet == coordinator.mqtt.fleet
+        assert agent.mqtt.fleet == coordinator.service.mqtt.fleet
         assert (
             agent.signing_key == (compose_secrets / "node-keys" / f"{agent.node_id}.key").read_bytes().strip()
         )
@@ -110,8 +111,11 @@ def test_example_configs_load(compose_secrets, tmp_path, name):
         "/var/lib/fedge": tmp_path / "state",
     }
     local = localize(DEPLOY / f"{name}.example.toml", table, tmp_path / f"{name}.toml")
-    config = (CoordinatorConfig if name == "coordinator" else AgentConfig).from_toml(local)
-    assert config.mqtt.address.tls and config.mqtt.ca_file is not None
+    if name == "coordinator":
+        mqtt = CoordinatorConfig.from_toml(local).service.mqtt
+    else:
+        mqtt = AgentConfig.from_toml(local).mqtt
+    assert mqtt.address.tls and mqtt.ca_file is not None
 
 
 def test_broker_server_certificate_names_the_compose_host(compose_secrets):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedge.compat import set_task_identity
+from fedge.flower.compat import set_task_identity
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ from flwr.clientapp import ClientApp
 from fedge.app import client_app as reference
 from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
-from fedge.compat import set_task_identity
-from fedge.server.history import RunHistory
+from fedge.flower.compat import set_task_identity
+from fedge.reporting.history import RunHistory
 from fedge.simulation.local_grid import LocalGrid
 
 

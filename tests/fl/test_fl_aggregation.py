@@ -10,9 +10,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedge.client.protocol import INSTRUCTION_KEY, UPDATE_KEY, arrays_to_record, record_to_arrays
-from fedge.compat import set_message_id
 from fedge.compression import build_codec
+from fedge.flower.compat import set_message_id
+from fedge.protocol.records import INSTRUCTION_KEY, UPDATE_KEY, arrays_to_record, record_to_arrays
 from fedge.server import CompressionConfig, ReplyScreen, ServerOptimizer, StreamingFedAvg
 from fedge.server.screening import ratio_outliers
 from fedge.simulation.local_grid import LocalGrid

@@ -8,20 +8,19 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 
 from fedge.client import CompressionMod
 from fedge.client.compression_mod import EF_STATE_KEY, REFERENCE_INFO_KEY, REFERENCE_KEY
-from fedge.client.protocol import (
+from fedge.compression import build_codec, decode
+from fedge.flower.compat import set_message_id
+from fedge.protocol.records import (
     APPROXIMATE,
     FULL,
     INSTRUCTION_KEY,
     UPDATE_KEY,
     Instruction,
     ProtocolError,
-    advance_reference,
     arrays_to_record,
     record_to_arrays,
-    snap_to_grid,
 )
-from fedge.compat import set_message_id
-from fedge.compression import build_codec, decode
+from fedge.protocol.reference import advance_reference, snap_to_grid
 
 RNG = np.random.default_rng(0)
 MODEL = {"layer.weight": RNG.normal(size=(40, 50)).astype(np.float32), "layer.bias": np.zeros(5, np.float32)}

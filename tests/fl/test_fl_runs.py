@@ -14,10 +14,10 @@ from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping, 
 
 from fedge.client import CompressionMod
 from fedge.client.compression_mod import EF_STATE_KEY, REFERENCE_INFO_KEY, REFERENCE_KEY
-from fedge.client.protocol import INSTRUCTION_KEY, UPDATE_KEY, record_to_arrays
 from fedge.compression import build_codec
+from fedge.protocol.records import INSTRUCTION_KEY, UPDATE_KEY, record_to_arrays
+from fedge.reporting.history import RunHistory
 from fedge.server import CompressionConfig, DecodingStrategy, DownlinkConfig, StreamingFedAvg
-from fedge.server.history import RunHistory
 from fedge.simulation.local_grid import LocalGrid
 
 DENSE_MODEL_BYTES = 4 * 71_754  # the digits CNN as float32

@@ -7,7 +7,7 @@ import json
 import pytest
 from flower_processes import VENV_BIN, read_metrics, run_flwr, start, wait_healthy
 
-from fedge.transport.broker import free_port
+from fedge.localnet.broker import free_port
 
 ROUNDS = 2
 NODES = 2

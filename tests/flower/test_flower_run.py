@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from flower_processes import read_metrics, run_flwr
 
-from fedge.transport.broker import free_port
+from fedge.localnet.broker import free_port
 
 ROUNDS = 3
 SUPERNODES = 4

@@ -4,12 +4,11 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedge.compat import (
+from fedge.flower.compat import (
     SUPERLINK_NODE_ID,
     MessageDecodeError,
     context_from_bytes,
     context_to_bytes,
-    make_run,
     message_from_bytes,
     message_to_bytes,
     set_message_id,
@@ -87,15 +86,19 @@ def test_context_round_trip_keeps_state():
     np.testing.assert_array_equal(back.state["ef"]["r"].numpy(), np.ones(4, dtype=np.float32))
 
 
-def test_make_run_carries_override_config():
-    run = make_run(5, {"num-server-rounds": 2})
-    assert run.run_id == 5 and run.override_config == {"num-server-rounds": 2}
+def test_fleet_constants_match_flower():
+    """fedge.protocol.fleet mirrors Flower's reserved SuperLink id without importing Flower."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from fedge.protocol.fleet import SUPERLINK_NODE_ID as FLEET_SUPERLINK_NODE_ID
+
+    assert FLEET_SUPERLINK_NODE_ID == SUPERLINK_NODE_ID
 
 
 def test_message_encoder_gives_the_bytes_of_message_to_bytes_and_encodes_shared_content_once(monkeypatch):
     from flwr.common import serde
 
-    from fedge.compat import MessageEncoder
+    from fedge.flower.compat import MessageEncoder
 
     set_task_identity(run_id=3)
     shared = RecordDict({"arrays": ArrayRecord({"w": Array(np.arange(4, dtype=np.float32))})})

@@ -20,7 +20,7 @@ def test_bundled_digits_equal_scikit_learns_loader():
 
 def test_loading_the_task_data_does_not_import_scikit_learn():
     code = (
-        "import sys; from fedge.app.task import DigitsTask; DigitsTask().test_set(); "
+        "import sys; from fedge.app.task import DigitsTask; DigitsTask().test_set(1, alpha=0.5, seed=0); "
         "print('sklearn' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

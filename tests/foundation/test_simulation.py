@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedge.app.client_app import train as reference_train
 from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
-from fedge.compat import set_task_identity
+from fedge.flower.compat import set_task_identity
 from fedge.simulation.config import SimulationConfig
 from fedge.simulation.engines import run_simulation
 from fedge.simulation.local_grid import LocalGrid

@@ -33,9 +33,9 @@ def test_small_alpha_gives_skewed_label_mixes():
 
 def test_test_set_is_fixed_and_separate():
     task = DigitsTask()
-    features, labels = task.test_set()
+    features, labels = task.test_set(1, alpha=0.5, seed=0)
     assert len(labels) == 359 and features.shape[1:] == (1, 8, 8)  # 20% of each class, rounded per class
-    assert torch.equal(task.test_set()[1], labels)
+    assert torch.equal(task.test_set(1, alpha=0.5, seed=0)[1], labels)
 
 
 def test_training_improves_accuracy_and_is_reproducible():
@@ -45,9 +45,11 @@ def test_training_improves_accuracy_and_is_reproducible():
     for _ in range(2):
         torch.manual_seed(0)
         model = task.model()
-        before = task.evaluate(model, task.test_set())["accuracy"]
+        before = task.evaluate(model, task.test_set(1, alpha=0.5, seed=0))["accuracy"]
         metrics = task.train(model, data, TrainConfig(epochs=2, seed=4))
-        results.append((task.evaluate(model, task.test_set())["accuracy"], metrics["train_loss"]))
+        results.append(
+            (task.evaluate(model, task.test_set(1, alpha=0.5, seed=0))["accuracy"], metrics["train_loss"])
+        )
     assert results[0] == results[1]
     assert results[0][0] > before + 0.5
     assert metrics["num-examples"] == len(data[1])
@@ -88,25 +90,3 @@ def test_prepared_partitions_load_without_the_partitioner(tmp_path):
     assert first.stdout.startswith("True") and second.stdout.startswith("False")
     assert second.stdout.split(" ", 1)[1].strip() == str(expected.tolist())
     assert len(list(tmp_path.glob("digits-dirichlet-*.npz"))) == 1
-
-
-def test_momentum_sgd_matches_torch_optim_step_for_step():
-    from fedge.app.task import DigitsCNN, MomentumSGD
-
-    torch.manual_seed(0)
-    ours, theirs = DigitsCNN(), DigitsCNN()
-    theirs.load_state_dict(ours.state_dict())
-    initial = {name: tensor.clone() for name, tensor in ours.state_dict().items()}
-    optimizers = (
-        MomentumSGD(ours.parameters(), lr=0.05, momentum=0.9),
-        torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9),
-    )
-    features, labels = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
-    for _ in range(3):
-        for model, optimizer in zip((ours, theirs), optimizers, strict=True):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(features), labels).backward()
-            optimizer.step()
-    for name, tensor in ours.state_dict().items():
-        assert torch.equal(tensor, theirs.state_dict()[name]), name
-    assert all(not torch.equal(tensor, initial[name]) for name, tensor in ours.state_dict().items())

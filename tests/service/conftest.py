@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fedge.transport import MosquittoBroker, MqttConfig
+from fedge.localnet import MosquittoBroker
+from fedge.transport import MqttConfig
 
 
 @pytest.fixture(scope="module")

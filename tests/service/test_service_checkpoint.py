@@ -11,10 +11,10 @@ from fedge.app import client_app as reference
 from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
 from fedge.client import CompressionMod
-from fedge.compat import set_task_identity
+from fedge.flower.compat import set_task_identity
+from fedge.reporting.history import RoundMetrics, RunHistory
 from fedge.server import CompressionConfig, DownlinkConfig, ServerOptimizer, StreamingFedAvg
-from fedge.server.coordinator import load_checkpoint, save_checkpoint
-from fedge.server.history import RoundMetrics, RunHistory
+from fedge.server.checkpoint import load_checkpoint, save_checkpoint
 from fedge.simulation.local_grid import LocalGrid
 
 

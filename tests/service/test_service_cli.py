@@ -23,7 +23,7 @@ runner = CliRunner()
         ("coordinator", None, "does not exist"),
         ("coordinator", 'state_dir = "s"\nround_timeout = 3\n', "round_timeout"),
         ("coordinator", 'state_dir = "s"\n[mqtt]\nbroker_url = "http://x"\n', "broker"),
-        ("coordinator", 'state_dir = "s"\n[mqtt]\nhost = "x"\n', "unknown [mqtt] key 'host'"),
+        ("coordinator", 'state_dir = "s"\n[mqtt]\nhost = "x"\n', "unknown key 'mqtt.host'"),
         ("coordinator", 'state_dir = "s"\n[app]\nalpha = 0\n', "alpha must be > 0"),
         ("coordinator", 'state_dir = "s"\nnode_keys_dir = "/nonexistent"\n', "holds no <node>.key files"),
         ("agent", 'node_id = "a b"\nstate_dir = "s"\n', "node id"),

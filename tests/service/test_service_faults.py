@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fedge.localnet import MosquittoBroker
 from fedge.simulation.mqtt_engine import write_agent_config
-from fedge.transport import MosquittoBroker
 
 AGENTS = 4
 ROUNDS = 5

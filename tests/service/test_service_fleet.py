@@ -8,10 +8,10 @@ import json
 import pytest
 
 from fedge.app.config import AppConfig
+from fedge.localnet import LinkProfile, LossyLinkProxy
 from fedge.simulation.config import SimulationConfig
 from fedge.simulation.engines import run_simulation
 from fedge.simulation.mqtt_engine import run_mqtt_simulation
-from fedge.transport import LinkProfile, LossyLinkProxy
 
 
 @pytest.mark.slow

@@ -12,9 +12,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
 from fedge.client.agent import AgentConfig, DeviceAgent
-from fedge.compat import message_from_bytes, message_to_bytes, set_task_identity
+from fedge.devices import DeviceProfile
+from fedge.flower.compat import message_from_bytes, message_to_bytes, set_task_identity
+from fedge.protocol.fleet import flower_node_id
 from fedge.transport import NodeEndpoint
-from fedge.transport.grid import MqttGrid, flower_node_id
+from fedge.transport.grid import MqttGrid
 from fedge.transport.signing import sign
 
 
@@ -73,7 +75,7 @@ def test_agents_train_over_mqtt_and_every_update_is_audited(mqtt, tmp_path):
             set_task_identity(run_id=1)
             history = run_federated(grid, AppConfig(rounds=2, local_epochs=1, min_nodes=3))
             _wait(lambda: len(grid.profiles) == 3)
-            assert grid.profiles["dev0"]["cpus"] >= 1
+            assert grid.profiles["dev0"].cpus >= 1
     finally:
         for agent in agents:
             agent.close()
@@ -150,7 +152,7 @@ def test_profile_messages_are_size_checked(mqtt):
             _wait(lambda: grid.dropped["bad-profile"] == 1 and "carol" in grid.profiles)
         finally:
             node.close()
-    assert grid.profiles["carol"] == {"cpus": 4}
+    assert grid.profiles["carol"] == DeviceProfile(cpus=4)
 
 
 @pytest.mark.parametrize("crash_after_reply", [False, True])

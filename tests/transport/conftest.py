@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedge.transport import EmbeddedBroker, MosquittoBroker, MqttConfig, TransferSettings
+from fedge.localnet import EmbeddedBroker, MosquittoBroker
+from fedge.transport import MqttConfig, TransferSettings
 from fedge.transport.frames import AckFrame, AckStatus, encode_ack, encode_data
 
 

@@ -15,17 +15,8 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedge.transport import (
-    CoordinatorEndpoint,
-    EmbeddedBroker,
-    LinkProfile,
-    LossyLinkProxy,
-    MosquittoBroker,
-    MqttConfig,
-    NodeEndpoint,
-    Topics,
-    TransferError,
-)
+from fedge.localnet import EmbeddedBroker, LinkProfile, LossyLinkProxy, MosquittoBroker
+from fedge.transport import CoordinatorEndpoint, MqttConfig, NodeEndpoint, Topics, TransferError
 from fedge.transport.topics import ack_topic
 
 KiB = 1024

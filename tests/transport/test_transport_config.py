@@ -11,8 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from fedge.cli import app
-from fedge.transport import BrokerAddress, ConfigError, MqttConfig, NodeEndpoint, Topics, TransferSettings
-from fedge.transport.broker import free_port, wait_for_port
+from fedge.config import ConfigError
+from fedge.localnet.broker import free_port, wait_for_port
+from fedge.transport import BrokerAddress, MqttConfig, NodeEndpoint, Topics, TransferSettings
 
 
 @pytest.mark.parametrize(

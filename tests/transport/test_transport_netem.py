@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fedge.transport import LinkProfile, LossyLinkProxy
+from fedge.localnet import LinkProfile, LossyLinkProxy
 
 
 class _Echo(socketserver.BaseRequestHandler):

@@ -11,14 +11,8 @@ import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from fedge.transport import (
-    CoordinatorEndpoint,
-    LinkProfile,
-    LossyLinkProxy,
-    MosquittoBroker,
-    MqttConfig,
-    NodeEndpoint,
-)
+from fedge.localnet import LinkProfile, LossyLinkProxy, MosquittoBroker
+from fedge.transport import CoordinatorEndpoint, MqttConfig, NodeEndpoint
 from fedge.transport.frames import PresenceFrame, PresenceStatus, encode_presence
 from fedge.transport.presence import EpochClock, PresenceTracker
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fedge.transport import CoordinatorEndpoint, MosquittoBroker, MqttConfig, NodeEndpoint
+from fedge.localnet import MosquittoBroker
+from fedge.transport import CoordinatorEndpoint, MqttConfig, NodeEndpoint
 
 pytestmark = pytest.mark.skipif(
     subprocess.run(["which", "openssl"], capture_output=True).returncode, reason="openssl"

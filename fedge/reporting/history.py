@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedge.atomic import write_json_atomic
+from fedge.reporting.plots import plot_accuracy, plot_accuracy_vs_upload
 
-__all__ = ["RoundMetrics", "RunHistory"]
+__all__ = ["RoundListener", "RoundMetrics", "RunHistory", "write_run_outputs"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,7 +63,12 @@ class RunHistory:
     listeners: list[Callable[[RoundMetrics], None]] = field(default_factory=list, repr=False)
 
     def add(self, metrics: RoundMetrics) -> None:
+        """Record a round and tell the listeners."""
         self.rounds.append(metrics)
+        self.notify(metrics)
+
+    def notify(self, metrics: RoundMetrics) -> None:
+        """Tell the listeners of a round already recorded."""
         for listener in self.listeners:
             listener(metrics)
 
@@ -75,3 +84,17 @@ class RunHistory:
         path = Path(out_dir) / "metrics.json"
         write_json_atomic(path, self.to_json())
         return path
+
+
+RoundListener = Callable[[RoundMetrics], None]
+"""Told of each completed round (progress displays, status files)."""
+
+
+def write_run_outputs(history: RunHistory, out_dir: str | Path) -> None:
+    """``metrics.json`` and the two PNG plots (accuracy per round, accuracy per uploaded MB)."""
+    out_dir = Path(out_dir)
+    path = history.write(out_dir)
+    rounds = history.to_json()["rounds"]
+    plot_accuracy(rounds, out_dir / "accuracy.png")
+    plot_accuracy_vs_upload({"fedge": rounds}, out_dir / "accuracy_vs_upload.png")
+    log.info("wrote %s and plots to %s", path.name, out_dir)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedge.transport.background import BackgroundLoop
+from fedge.localnet.background import BackgroundLoop
 
 __all__ = ["EmbeddedBroker", "MosquittoBroker", "free_port", "wait_for_port"]
 

@@ -23,11 +23,7 @@ A train reply carries the task's MetricRecord and one ConfigRecord named :data:`
 ``payload`` (the encoded update, new weights minus the received model plus the error-feedback residual)
 and ``base`` (the version it was trained from).
 
-Compressed downloads keep one *reference* model ``M`` per run that every up-to-date client holds too:
-``M_v = grid(M_{v-1} + decode(delta_v))``. :func:`advance_reference` is that step; coordinator and
-client run the same numpy operations on the same bytes, so their copies stay identical. Rounding the
-reference to the fp16 grid makes a full fp16 download of it exact, so a client that missed rounds
-rejoins the delta stream without drift.
+The reference-model step both sides compute is in :mod:`fedge.protocol.reference`.
 """
 
 from __future__ import annotations
@@ -38,8 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from fedge.compression import decode, decode_add
-
 __all__ = [
     "APPROXIMATE",
     "FULL",
@@ -48,10 +42,8 @@ __all__ = [
     "UPDATE_KEY",
     "Instruction",
     "ProtocolError",
-    "advance_reference",
     "arrays_to_record",
     "record_to_arrays",
-    "snap_to_grid",
 ]
 
 INSTRUCTION_KEY = "fedge.compression"
@@ -59,7 +51,6 @@ UPDATE_KEY = "fedge.update"
 FULL = -1
 APPROXIMATE = -2
 GRIDS = ("fp32", "fp16")
-_FP16_MAX = np.float32(65504.0)
 
 
 class ProtocolError(ValueError):
@@ -163,39 +154,6 @@ def _field(record: ConfigRecord, key: str, kind: type | object) -> object:
     if not isinstance(value, kind) or isinstance(value, bool):  # type: ignore[arg-type]
         raise ProtocolError(f"instruction field {key!r} has type {type(value).__name__}")
     return value
-
-
-def snap_to_grid(arrays: Mapping[str, np.ndarray], grid: str) -> None:
-    """Round float32 ``arrays`` in place to ``grid`` (fp16 saturates at ±65504 instead of overflowing)."""
-    if grid == "fp32":
-        return
-    for array in arrays.values():
-        np.clip(array, -_FP16_MAX, _FP16_MAX, out=array)
-        array[...] = array.astype(np.float16)
-
-
-def advance_reference(
-    reference: Mapping[str, np.ndarray] | None,
-    payload: bytes,
-    *,
-    full: bool,
-    grid: str,
-    max_elements: int,
-) -> dict[str, np.ndarray]:
-    """The next reference model: the decoded full model, or ``reference`` plus the decoded delta, on ``grid``.
-
-    Raises
-    ------
-    CodecError
-        If ``payload`` does not decode, or (for a delta) its tensors differ from ``reference``'s.
-    """
-    if full or reference is None:
-        arrays = decode(payload, max_elements=max_elements)
-    else:
-        arrays = {name: np.array(array, dtype=np.float32, copy=True) for name, array in reference.items()}
-        decode_add(payload, arrays, max_elements=max_elements)
-    snap_to_grid(arrays, grid)
-    return arrays
 
 
 def record_to_arrays(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[str, str]]:

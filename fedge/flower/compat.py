@@ -4,7 +4,8 @@ Flower 1.42 has no public API for three things a custom ``Grid`` needs: turning 
 back (``flwr.common.serde``), stamping the process-wide task identity that ``Message(...)`` reads
 (``flwr.supercore.task_identity.TaskIdentity``), and building the ``Run`` that ``Grid.set_run`` takes
 (``flwr.supercore.run.Run``). Every such import lives here, pinned by ``flwr~=1.42.0`` and checked by
-``tests/test_compat.py``; when Flower moves them, this module and its contract tests are all that change.
+``tests/foundation/test_compat.py``; when Flower moves them, this module and its contract tests are all
+that change.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ __all__ = [
     "Run",
     "context_from_bytes",
     "context_to_bytes",
-    "make_run",
     "message_from_bytes",
     "message_to_bytes",
     "set_message_id",
@@ -110,13 +110,6 @@ def set_task_identity(run_id: int, node_id: int = SUPERLINK_NODE_ID, task_id: in
     TaskIdentity.task_id = task_id
     TaskIdentity.run_id = run_id
     TaskIdentity.node_id = node_id
-
-
-def make_run(run_id: int, override_config: dict | None = None) -> Run:
-    """An otherwise empty ``Run`` for ``Grid.set_run``."""
-    run = Run.create_empty(run_id=run_id)
-    run.override_config = dict(override_config or {})
-    return run
 
 
 def _parse(proto_type: type, from_proto: Callable[[Any], Any], data: bytes, max_bytes: int, what: str) -> Any:

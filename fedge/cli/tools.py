@@ -9,13 +9,9 @@ import socket
 
 import typer
 
+from fedge.cli.common import fail
+
 __all__ = ["broker_command", "netem_command"]
-
-
-def _fail(message: str) -> typer.Exit:
-    from fedge.cli import fail  # the CLI's one-line error (imported late: the CLI imports this module)
-
-    return fail(message)
 
 
 def broker_command(
@@ -30,10 +26,10 @@ def broker_command(
     import importlib.util
     import logging
 
-    from fedge.transport.broker import EmbeddedBroker
+    from fedge.localnet.broker import EmbeddedBroker
 
     if importlib.util.find_spec("amqtt") is None:
-        raise _fail("the embedded broker needs amqtt: pip install 'fedge[broker]'")
+        raise fail("the embedded broker needs amqtt: pip install 'fedge[broker]'")
     _check_free(host, port)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     typer.echo(f"fedge broker on mqtt://{host}:{port} (MQTT 3.1.1, anonymous); Ctrl-C stops it")
@@ -61,14 +57,14 @@ def netem_command(
     """Run the lossy-link TCP proxy in the foreground until Ctrl-C: point MQTT clients at --listen."""
     import asyncio
 
-    from fedge.transport.netem import LinkProfile, LossyLinkProxy
+    from fedge.localnet.netem import LinkProfile, LossyLinkProxy
 
     for flag, value in (("--rate-mbps", rate_mbps), ("--reset-mean-s", reset_mean_s)):
         if value is not None and value <= 0:
-            raise _fail(f"{flag} must be positive, got {value:g}")
+            raise fail(f"{flag} must be positive, got {value:g}")
     host, _, port_text = upstream.rpartition(":")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise _fail(f"--upstream {upstream!r} must be HOST:PORT")
+        raise fail(f"--upstream {upstream!r} must be HOST:PORT")
     try:
         profile = LinkProfile(
             latency_ms=latency_ms,
@@ -79,7 +75,7 @@ def netem_command(
             seed=seed,
         )
     except ValueError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     _check_free(listen_host, listen)
     proxy = LossyLinkProxy(host, int(port_text), profile, listen_host=listen_host, listen_port=listen)
     typer.echo(f"netem {listen_host}:{listen} -> {host}:{port_text} ({profile}); Ctrl-C stops it")
@@ -97,4 +93,4 @@ def _check_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as err:
-            raise _fail(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+            raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}") from None

@@ -11,18 +11,13 @@ Run: ``fedge bench compression [--json] [--quick]`` (quick: a 4M vector, fewer r
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, parse_args, peak_rss_bytes
-
+from fedge.bench._common import emit, parse_args, peak_rss_bytes
 from fedge.compression import (
     build_codec,
     decode,

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fedge.server.history import RoundMetrics, RunHistory
+from fedge.reporting.history import RoundMetrics, RunHistory
 
 __all__ = ["RoundProgress", "summary_table"]
 

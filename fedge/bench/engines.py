@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import torch
-from _common import emit, parse_args, timed
 
 from fedge.app.client_app import local_seed
 from fedge.app.config import AppConfig
 from fedge.app.task import TrainConfig, load_task
+from fedge.bench._common import emit, parse_args, timed
 from fedge.simulation.config import SimulationConfig
 from fedge.simulation.engines import run_simulation
 

@@ -20,24 +20,12 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, parse_args
-
-from fedge.transport import (
-    CoordinatorEndpoint,
-    LinkProfile,
-    LossyLinkProxy,
-    MosquittoBroker,
-    MqttConfig,
-    NodeEndpoint,
-    TransferSettings,
-)
+from fedge.bench._common import emit, parse_args
+from fedge.localnet import LinkProfile, LossyLinkProxy, MosquittoBroker
+from fedge.transport import CoordinatorEndpoint, MqttConfig, NodeEndpoint, TransferSettings
 
 MB = 1_000_000
 RAW_MESSAGE = 1024 * 1024

@@ -21,7 +21,7 @@ import struct
 import threading
 from dataclasses import dataclass, replace
 
-from fedge.transport.background import BackgroundLoop
+from fedge.localnet.background import BackgroundLoop
 
 __all__ = ["LinkProfile", "LossyLinkProxy", "ProxyStats"]
 

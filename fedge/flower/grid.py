@@ -7,7 +7,7 @@ from collections.abc import Callable
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedge.compat import Run
+from fedge.flower.compat import Run
 
 __all__ = ["RunGrid"]
 

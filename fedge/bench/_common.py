@@ -1,8 +1,8 @@
 """Shared plumbing for fedge benchmarks.
 
-Every bench is a script ``bench/NAME.py`` run by ``fedge bench NAME [--json] [--quick]``. It measures its
-subject and a baseline in the same process run, reports ratios (these machines are noisy), prints a rich
-table for people and, last on stdout, one JSON object for machines.
+Every bench is a module ``fedge/bench/NAME.py`` run by ``fedge bench NAME [--json] [--quick]``. It measures
+its subject and a baseline in the same process run, reports ratios (these machines are noisy), prints a
+rich table for people and, last on stdout, one JSON object for machines.
 """
 
 from __future__ import annotations

@@ -29,9 +29,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, parse_args, timed
+from fedge.bench._common import emit, parse_args, timed
 
 CLIENTS = 20
 TARGET = 0.90
@@ -142,9 +140,9 @@ def _summary(history, wall_s: float, overrides: dict[str, Any]) -> dict[str, Any
 
 
 def _chart(histories: dict) -> Path:
-    from fedge.server.plots import plot_accuracy_vs_upload
+    from fedge.reporting.plots import plot_accuracy_vs_upload
 
-    out = Path(__file__).resolve().parent.parent / "runs" / "bench-fl-compression"
+    out = Path("runs") / "bench-fl-compression"
     runs = {label: h.to_json()["rounds"] for label, h in histories.items()}
     (out / "runs.json").parent.mkdir(parents=True, exist_ok=True)
     (out / "runs.json").write_text(json.dumps(runs))
@@ -171,7 +169,7 @@ def _aggregation_memory(replies: int) -> dict[str, Any]:
                 payload = codec.encode(delta, seed=i)
                 file.write(len(payload).to_bytes(4, "little") + payload)
         child = subprocess.run(
-            [sys.executable, __file__, "--aggregation-child", str(path)],
+            [sys.executable, "-m", "fedge.bench.fl_compression", "--aggregation-child", str(path)],
             capture_output=True,
             text=True,
             check=True,
@@ -185,8 +183,8 @@ def _aggregation_child(path: Path) -> dict[str, Any]:
     from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
-    from fedge.client.protocol import UPDATE_KEY, arrays_to_record
-    from fedge.compat import set_message_id, set_task_identity
+    from fedge.flower.compat import set_message_id, set_task_identity
+    from fedge.protocol.records import UPDATE_KEY, arrays_to_record
     from fedge.server import CompressionConfig, StreamingFedAvg
     from fedge.simulation.local_grid import LocalGrid
 

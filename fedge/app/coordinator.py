@@ -1,0 +1,53 @@
+"""The reference app as a coordinator service: its config file, mapped onto :mod:`fedge.server.service`.
+
+``coordinator.toml`` holds the service's keys at the top level (``state_dir``, ``round_timeout_s``, ...),
+an ``[mqtt]`` table and an ``[app]`` table of :class:`AppConfig` (with an optional ``[app.task]`` table).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedge.app.config import AppConfig
+from fedge.app.server_app import federated_run
+from fedge.config import from_table, read_toml
+from fedge.reporting.history import RoundListener, RunHistory
+from fedge.server.service import ServiceConfig, run_service
+from fedge.transport.config import MqttConfig
+
+__all__ = ["CoordinatorConfig", "run_coordinator"]
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """A coordinator running the reference app.
+
+    Parameters
+    ----------
+    service : ServiceConfig
+        Broker, state directory, timeouts and signing keys.
+    app : AppConfig
+        Rounds, task and hyper-parameters; ``app.min_nodes`` nodes must be online before round 1.
+    """
+
+    service: ServiceConfig
+    app: AppConfig = field(default_factory=AppConfig)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> CoordinatorConfig:
+        """Read ``coordinator.toml``; any unknown key or bad value is a ConfigError naming it."""
+        values = read_toml(path)
+        app = AppConfig.from_table(values.pop("app", {}), where="app")
+        mqtt = values.pop("mqtt", {})
+        service = from_table(ServiceConfig, {**values, "mqtt": MqttConfig.from_table(mqtt)})
+        return cls(service=service, app=app)
+
+
+def run_coordinator(
+    config: CoordinatorConfig, *, resume: bool = False, listeners: Iterable[RoundListener] = ()
+) -> RunHistory:
+    """Run the app over MQTT as a service (see :func:`fedge.server.service.run_service`)."""
+    run = federated_run(config.app, num_partitions=config.app.min_nodes)
+    return run_service(config.service, run, resume=resume, listeners=listeners)

@@ -1,0 +1,47 @@
+"""The ``fedge`` command line (typer, like Flower's).
+
+Commands import their heavy modules (torch, Flower, the transport) when they run, so ``fedge --help`` and
+``fedge status`` start quickly.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from fedge.cli.common import fail
+from fedge.cli.run import bench, simulate
+from fedge.cli.service import agent, coordinator, status
+from fedge.cli.tools import broker_command, netem_command
+
+__all__ = ["app", "fail", "main"]
+
+app = typer.Typer(
+    name="fedge",
+    help="Federated and edge learning for constrained devices.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Federated and edge learning for constrained devices."""
+
+
+app.command()(simulate)
+app.command()(coordinator)
+app.command()(agent)
+app.command()(status)
+app.command()(bench)
+app.command("broker")(broker_command)
+app.command("netem")(netem_command)
+
+
+def main() -> None:
+    """Entry point for ``python -m fedge``."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

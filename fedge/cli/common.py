@@ -1,0 +1,61 @@
+"""What every ``fedge`` command shares: the one-line error, configuration errors, logging setup."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+
+from fedge.compression import CodecConfigError
+from fedge.config import ConfigError
+
+__all__ = ["config_errors", "configure_logging", "fail"]
+
+
+def fail(message: str) -> typer.Exit:
+    """Print one line naming the problem to stderr and return the exit to raise."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+@contextmanager
+def config_errors() -> Iterator[None]:
+    """Configuration problems end the command with one line naming them."""
+    try:
+        yield
+    except (ConfigError, CodecConfigError, ValueError) as err:
+        raise fail(str(err)) from None
+
+
+def configure_logging(verbose: bool, service: bool = False, json_lines: bool = False) -> None:
+    """fedge's logs to stderr; Flower keeps its own handler, quiet unless asked (its INFO is per message).
+
+    Services (coordinator, agent) log at INFO with timestamps: their logs are the operator's record;
+    ``json_lines`` makes them machine-readable for a log shipper.
+    """
+    handler = logging.StreamHandler()
+    prefix = "%(asctime)s " if service else ""
+    text = logging.Formatter(prefix + "%(levelname)s %(name)s: %(message)s")
+    handler.setFormatter(_JsonLines() if json_lines else text)
+    fedge_log = logging.getLogger("fedge")
+    fedge_log.addHandler(handler)
+    fedge_log.setLevel(logging.INFO if verbose or service else logging.WARNING)
+    logging.getLogger("flwr").setLevel(logging.INFO if verbose else logging.ERROR)
+
+
+class _JsonLines(logging.Formatter):
+    """One JSON object per record: time, level, logger, message (and the exception, if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": record.created,
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)

@@ -1,0 +1,141 @@
+"""``fedge simulate`` and ``fedge bench``: runs on this machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pkgutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from fedge.cli.common import config_errors, configure_logging, fail
+from fedge.config import ConfigError
+
+__all__ = ["bench", "parse_task_args", "simulate"]
+
+
+def simulate(
+    clients: int | None = typer.Option(None, help="Virtual clients [default: 20]."),
+    rounds: int | None = typer.Option(None, help="Federated rounds [default: 30]."),
+    seed: int | None = typer.Option(None, help="Seed for model, sampling, partitions [default: 0]."),
+    engine: str | None = typer.Option(
+        None, help="local (in-process, fast), ray (Flower's) or mqtt (agents)."
+    ),
+    broker: str | None = typer.Option(None, help="mqtt engine: broker URL [default: start an embedded one]."),
+    workers: int | None = typer.Option(
+        None, help="ClientApps run at once (local: processes, ray: actors) [default: one per CPU]."
+    ),
+    task: str | None = typer.Option(
+        None, help="Task 'package.module:TaskClass' or 'path/to/file.py:TaskClass'."
+    ),
+    task_arg: list[str] = typer.Option(
+        [], "--task-arg", help="key=value for the task's constructor (repeatable; values parse as TOML)."
+    ),
+    alpha: float | None = typer.Option(
+        None, help="Dirichlet concentration of the label split [default: 0.5]."
+    ),
+    codec: str | None = typer.Option(
+        None, help="Compress client updates with this codec spec, e.g. 'topk:0.01+int8' [default: dense]."
+    ),
+    downlink_codec: str | None = typer.Option(
+        None, help="Send the model as a compressed delta with this codec spec (needs --codec)."
+    ),
+    config: Path | None = typer.Option(
+        None, "--config", help="TOML file with flat keys (clients, rounds, ...) and a [task] table."
+    ),
+    out: Path = typer.Option(Path("runs/latest"), "--out", help="Directory for metrics.json and plots."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
+) -> None:
+    """Run the reference app with N virtual clients on this machine."""
+    from rich.console import Console
+
+    from fedge.app.task import load_task
+    from fedge.reporting.display import RoundProgress, summary_table
+    from fedge.simulation.config import SimulationConfig
+    from fedge.simulation.engines import run_simulation
+
+    flags: dict[str, Any] = {
+        "clients": clients,
+        "rounds": rounds,
+        "seed": seed,
+        "engine": engine,
+        "broker": broker,
+        "workers": workers,
+        "task": task,
+        "alpha": alpha,
+        "codec": codec,
+        "downlink_codec": downlink_codec,
+        "out_dir": str(out),
+    }
+    flags = {key: value for key, value in flags.items() if value is not None}
+    with config_errors():
+        if task_arg:
+            flags["task_args"] = parse_task_args(task_arg)
+        sim = SimulationConfig.from_toml(config, flags) if config else SimulationConfig.from_mapping(flags)
+        load_task(sim.app.task, sim.app.task_args)
+    configure_logging(verbose)
+    console = Console()
+    console.print(
+        f"[bold]fedge simulate[/]: {sim.clients} clients, {sim.app.rounds} rounds, engine {sim.engine}, "
+        f"workers {sim.workers}, "
+        f"task {sim.app.task}, alpha {sim.app.alpha}, seed {sim.app.seed}, codec {sim.app.codec or 'dense'}"
+    )
+    completed: list[int] = []
+    try:
+        with RoundProgress(sim.app.rounds, console) as progress, config_errors():
+            history = run_simulation(sim, listeners=[progress.update, lambda m: completed.append(m.round)])
+    except KeyboardInterrupt:
+        kept = f"; its metrics and plots are in {out}" if completed else ""
+        console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
+        raise typer.Exit(130) from None
+    console.print(summary_table(history, title=f"fedge simulate ({sim.engine})"))
+    console.print(
+        f"metrics: {out / 'metrics.json'}\nplots:   {out / 'accuracy.png'}, {out / 'accuracy_vs_upload.png'}"
+    )
+
+
+def parse_task_args(pairs: list[str]) -> dict[str, Any]:
+    """``["hidden=32", "name=mlp"]`` as ``{"hidden": 32, "name": "mlp"}``: values parse as TOML values,
+    and a value that is not TOML is taken as a string."""
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"--task-arg {pair!r} must be key=value with a Python identifier as key")
+        try:
+            args[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            args[key] = text
+    return args
+
+
+def bench(
+    name: str = typer.Argument(..., help="Benchmark name, e.g. 'engines' (see fedge/bench/)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object as the last stdout line."),
+    quick: bool = typer.Option(False, "--quick", help="A smaller run that finishes in under a minute."),
+) -> None:
+    """Run a benchmark and compare it with its baseline."""
+    available = available_benches()
+    name = name.replace("_", "-")
+    if name not in available:
+        raise fail(f"unknown bench {name!r}; available: {', '.join(available) or 'none'}")
+    args = [sys.executable, "-m", f"fedge.bench.{name.replace('-', '_')}"]
+    args += ["--json"] if json_out else []
+    args += ["--quick"] if quick else []
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    raise typer.Exit(code=subprocess.call(args, env=env))
+
+
+def available_benches() -> list[str]:
+    """The benches shipped in :mod:`fedge.bench` (found in the installed package, not the repository)."""
+    spec = importlib.util.find_spec("fedge.bench")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return sorted(
+        m.name.replace("_", "-") for m in pkgutil.iter_modules(locations) if not m.name.startswith("_")
+    )

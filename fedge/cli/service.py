@@ -1,0 +1,101 @@
+"""``fedge coordinator``, ``fedge agent`` and ``fedge status``: the MQTT services and their status."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import typer
+
+from fedge.cli.common import config_errors, configure_logging, fail
+from fedge.config import ConfigError
+
+__all__ = ["agent", "coordinator", "status"]
+
+
+def coordinator(
+    config: Path = typer.Option(..., "--config", help="coordinator.toml (state_dir, [mqtt], [app])."),
+    resume: bool = typer.Option(False, "--resume", help="Continue after the last completed round."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
+    log_json: bool = typer.Option(False, "--log-json", help="Log one JSON object per line."),
+) -> None:
+    """Run the coordinator service: rounds over MQTT, a checkpoint and an audit log per round."""
+    from rich.console import Console
+
+    from fedge.app.coordinator import CoordinatorConfig, run_coordinator
+    from fedge.reporting.display import summary_table
+    from fedge.server.service import read_status
+
+    with config_errors():
+        settings = CoordinatorConfig.from_toml(config)
+        settings.service.node_keys()
+    configure_logging(verbose, service=True, json_lines=log_json)
+    # systemctl stop sends SIGTERM: end as Ctrl-C does, through the service's own clean-up (the broker
+    # session closed, status.json written), with status 0, so a supervisor does not count it as a failure.
+    stopped_by: list[int] = []
+
+    def _stop(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        with config_errors():
+            history = run_coordinator(settings, resume=resume)
+    except (TimeoutError, ConnectionError) as err:
+        raise fail(str(err)) from None
+    except KeyboardInterrupt:
+        try:
+            done = read_status(settings.service.state_dir).get("round", 0)
+        except ConfigError:  # stopped before it wrote any status
+            done = 0
+        typer.echo(f"stopped after round {done}; 'fedge coordinator --resume' continues from there", err=True)
+        raise typer.Exit(0 if stopped_by else 130) from None
+    Console().print(summary_table(history, title="fedge coordinator"))
+
+
+def agent(
+    config: Path = typer.Option(
+        ..., "--config", help="agent.toml (node_id, state_dir, [mqtt], [node_config])."
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
+    log_json: bool = typer.Option(False, "--log-json", help="Log one JSON object per line."),
+) -> None:
+    """Run the device agent: execute the ClientApp for every instruction from the coordinator."""
+    from fedge.client.agent import AgentConfig, DeviceAgent
+
+    with config_errors():
+        settings = AgentConfig.from_toml(config)
+        device = DeviceAgent(settings)
+    configure_logging(verbose, service=True, json_lines=log_json)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        device.run_forever(stop)
+    except ConnectionError as err:
+        raise fail(str(err)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+def status(
+    config: Path = typer.Option(..., "--config", help="The coordinator's coordinator.toml."),
+    json_out: bool = typer.Option(False, "--json", help="Print the raw status as JSON."),
+) -> None:
+    """Show the coordinator's round, online nodes and last accuracy."""
+    from fedge.app.coordinator import CoordinatorConfig
+    from fedge.server.service import read_status
+
+    with config_errors():
+        current = read_status(CoordinatorConfig.from_toml(config).service.state_dir)
+    if json_out:
+        typer.echo(json.dumps(current))
+        return
+    accuracy = current.get("last_accuracy")
+    typer.echo(f"round         {current['round']}/{current['rounds']}")
+    typer.echo(f"last accuracy {'-' if accuracy is None else f'{100 * accuracy:.2f}%'}")
+    typer.echo(f"online nodes  {len(current['online_nodes'])}: {' '.join(current['online_nodes'])}")
+    typer.echo(f"updated       {time.time() - current['updated_at']:.0f} s ago (pid {current['pid']})")

@@ -1,0 +1,51 @@
+"""Fleet naming: how nodes are named on the wire and in Flower, and which message ids mean what.
+
+Nodes are named by short strings (their MQTT usernames in a deployment); Flower addresses them by a 63-bit
+integer. Both sides derive one from the other with :func:`flower_node_id`, so the coordinator and an agent
+agree without ever exchanging the number. Pure Python: the transport and a torch-free device import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+__all__ = [
+    "PROFILE_PREFIX",
+    "REPLY_PREFIX",
+    "SUPERLINK_NODE_ID",
+    "flower_node_id",
+    "is_valid_name",
+    "validate_name",
+]
+
+SUPERLINK_NODE_ID = 1
+"""The node id Flower reserves for the SuperLink (``flwr.common.constant``; checked by a contract test)."""
+
+PROFILE_PREFIX = "profile:"
+"""Message ids starting with this carry a node's device profile (JSON), not a Flower message."""
+
+REPLY_PREFIX = "reply:"
+"""An agent's reply to instruction ``X`` travels with message id ``reply:X``."""
+
+# No ":" — node ids double as MQTT usernames, and Mosquitto's password file is "user:hash" per line.
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def is_valid_name(value: object) -> bool:
+    """Whether ``value`` is a safe node or fleet name: one topic level of letters, digits, ``_.-``, 1-64
+    characters."""
+    return isinstance(value, str) and _NAME.match(value) is not None
+
+
+def validate_name(value: str, what: str) -> str:
+    """Return ``value`` if :func:`is_valid_name`, else raise ValueError naming ``what``."""
+    if not is_valid_name(value):
+        raise ValueError(f"{what} {value!r} must be 1-64 characters of letters, digits, '_', '.' or '-'")
+    return value
+
+
+def flower_node_id(name: str) -> int:
+    """The Flower node id of the node named ``name``: stable across processes, never the SuperLink's."""
+    value = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") >> 1
+    return value if value > SUPERLINK_NODE_ID else value + SUPERLINK_NODE_ID + 1

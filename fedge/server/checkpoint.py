@@ -1,0 +1,73 @@
+"""The coordinator's checkpoint: global model, last completed round, run history and strategy state.
+
+One ``.npz`` file (no pickles: it is read back with ``allow_pickle=False``), replaced atomically after
+each round, so a coordinator killed at any moment restarts from the last completed round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+from fedge.atomic import write_bytes_atomic
+from fedge.config import ConfigError
+from fedge.reporting.history import RoundMetrics, RunHistory
+from fedge.server.runner import ResumePoint
+
+__all__ = ["CHECKPOINT_FILE", "load_checkpoint", "save_checkpoint"]
+
+CHECKPOINT_FILE = "checkpoint.npz"
+
+
+def save_checkpoint(
+    state_dir: str | Path,
+    server_round: int,
+    arrays: ArrayRecord,
+    history: RunHistory,
+    strategy_state: dict[str, np.ndarray] | None = None,
+) -> None:
+    """Global model, history and strategy state after ``server_round``; replaces the last one atomically."""
+    buffer = io.BytesIO()
+    strategy_state = strategy_state or {}
+    meta = {
+        "round": server_round,
+        "history": history.to_json(),
+        "names": list(arrays.keys()),
+        "strategy_names": list(strategy_state),
+    }
+    tensors = {f"a{i}": arrays[name].numpy() for i, name in enumerate(arrays.keys())}
+    tensors.update({f"s{i}": np.asarray(value) for i, value in enumerate(strategy_state.values())})
+    np.savez(buffer, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **tensors)
+    write_bytes_atomic(Path(state_dir) / CHECKPOINT_FILE, buffer.getvalue())
+
+
+def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
+    """The last completed round in ``state_dir``, or None if nothing was checkpointed."""
+    path = Path(state_dir) / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(data["meta"].tobytes())
+            arrays = ArrayRecord(
+                {name: Array(np.array(data[f"a{i}"])) for i, name in enumerate(meta["names"])}
+            )
+            names = meta.get("strategy_names", [])
+            strategy_state = {name: np.array(data[f"s{i}"]) for i, name in enumerate(names)}
+        saved = meta["history"]
+        history = RunHistory(config=saved["config"], initial_accuracy=saved["initial_accuracy"])
+        known = {f.name for f in dataclasses.fields(RoundMetrics)} - {"extra"}
+        for row in saved["rounds"]:
+            history.rounds.append(
+                RoundMetrics(
+                    **{k: row[k] for k in known}, extra={k: v for k, v in row.items() if k not in known}
+                )
+            )
+        return ResumePoint(int(meta["round"]), arrays, history, strategy_state)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"checkpoint {path} cannot be read: {err}") from None

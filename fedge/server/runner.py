@@ -1,0 +1,197 @@
+"""The round runner: any Flower strategy, any Grid, rounds evaluated centrally, recorded and resumable.
+
+Every engine and the coordinator service run rounds through :func:`run_rounds`. It knows nothing of tasks
+or of the reference app: it is handed a :class:`FederatedRun` (a strategy, the initial model, the config
+record clients train with and a central evaluation) and drives Flower's ``Strategy.start`` on a metered
+Grid, recording per-round accuracy, traffic and the strategy's own figures in a :class:`RunHistory`.
+
+After each round the order is fixed: the round's metrics are recorded, ``on_round_end`` runs (the
+coordinator writes its checkpoint there), and only then are listeners told (status files, progress bars),
+so nothing outside the process learns of a round before it is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
+from fedge.server.metered_grid import MeteredGrid
+
+__all__ = ["FederatedRun", "ResumePoint", "RoundEnd", "run_rounds"]
+
+log = logging.getLogger(__name__)
+
+RoundEnd = Callable[[int, ArrayRecord, RunHistory], None]
+"""``(round, global model, history)`` after a round is recorded, before listeners hear of it."""
+
+
+@dataclass
+class FederatedRun:
+    """What :func:`run_rounds` runs.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        Any Flower message-API strategy (fedge's compressing ones report per-round figures too).
+    initial_arrays : ArrayRecord
+        The global model before round 1.
+    num_rounds : int
+        Rounds to run in total (a resumed run runs the rest).
+    train_config : ConfigRecord
+        Sent to clients with every train and evaluate message.
+    evaluate : callable(ArrayRecord) -> mapping
+        Central evaluation of a global model; must return ``accuracy`` and ``loss``.
+    config : dict (default: {})
+        Recorded as the run's configuration in ``metrics.json``.
+    seed : int or None (default: None)
+        Seeds Python's global generator, which Flower's node sampling draws from.
+    out_dir : str (default: "")
+        Where ``metrics.json`` (rewritten after every round) and plots go (also when the run is
+        interrupted); empty writes nothing.
+    min_nodes : int (default: 1)
+        Nodes a coordinator waits for before round 1.
+    """
+
+    strategy: Strategy
+    initial_arrays: ArrayRecord
+    num_rounds: int
+    train_config: ConfigRecord
+    evaluate: Callable[[ArrayRecord], Mapping[str, float]]
+    config: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    out_dir: str = ""
+    min_nodes: int = 1
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a restarted run picks up: the last completed round, its global model, the history so far and
+    the strategy's own state (server-optimizer moments), if it has any."""
+
+    completed_round: int
+    arrays: ArrayRecord
+    history: RunHistory
+    strategy_state: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def run_rounds(
+    grid: Grid,
+    run: FederatedRun,
+    listeners: Iterable[RoundListener] = (),
+    *,
+    resume: ResumePoint | None = None,
+    on_round_end: RoundEnd | None = None,
+    timeout: float = 3600.0,
+) -> RunHistory:
+    """Run the rounds of ``run`` on ``grid``; return (and write, if ``run.out_dir``) the history.
+
+    Parameters
+    ----------
+    grid : Grid
+        Reaches the ClientApps (any engine's Grid).
+    run : FederatedRun
+        Strategy, initial model, client config and central evaluation.
+    listeners : iterable of callables, optional
+        Told of each completed round, after ``on_round_end``.
+    resume : ResumePoint, optional
+        Continue after ``resume.completed_round`` from its model and history (a restarted coordinator).
+    on_round_end : callable(round, arrays, history), optional
+        Called after each round is recorded and before listeners are told (checkpoints go here).
+    timeout : float (default: 3600)
+        Seconds a round waits for replies; late ones are left out of the round.
+    """
+    if run.seed is not None:
+        random.seed(run.seed)
+    metered = MeteredGrid(grid)
+    history = RunHistory(config=dict(run.config), listeners=list(listeners))
+    strategy = reporter = run.strategy  # reporter: unwrapped, for per-round figures
+    initial_arrays, done = run.initial_arrays, 0
+    if resume is not None:
+        done, initial_arrays = resume.completed_round, resume.arrays
+        history.rounds = list(resume.history.rounds)
+        history.initial_accuracy = resume.history.initial_accuracy
+        strategy = _RoundOffset(strategy, done)
+    round_started = time.perf_counter()
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        nonlocal round_started
+        if server_round == 0 and resume is not None:
+            return MetricRecord()  # the resumed model was evaluated before the restart
+        result = run.evaluate(arrays)
+        if server_round == 0:
+            history.initial_accuracy = result["accuracy"]
+        else:
+            server_round += done
+            traffic = metered.take()
+            metrics = RoundMetrics(
+                round=server_round,
+                accuracy=result["accuracy"],
+                loss=result["loss"],
+                clients_sampled=traffic.sampled,
+                clients_replied=traffic.replied,
+                bytes_down=traffic.bytes_down,
+                bytes_up=traffic.bytes_up,
+                wall_s=time.perf_counter() - round_started,
+                extra=_strategy_round_metrics(reporter, server_round),
+            )
+            history.rounds.append(metrics)
+            if on_round_end is not None:
+                on_round_end(server_round, arrays, history)
+            if run.out_dir:  # people (and tools) can follow a long run in metrics.json
+                history.write(run.out_dir)
+            history.notify(metrics)
+        round_started = time.perf_counter()
+        return MetricRecord({"accuracy": result["accuracy"], "loss": result["loss"]})
+
+    try:
+        strategy.start(
+            grid=metered,
+            initial_arrays=initial_arrays,
+            num_rounds=run.num_rounds - done,
+            train_config=run.train_config,
+            evaluate_config=run.train_config,
+            evaluate_fn=evaluate,
+            timeout=timeout,
+        )
+    finally:  # an interrupted or failed run still leaves the rounds it completed
+        if run.out_dir and history.rounds:
+            write_run_outputs(history, run.out_dir)
+    return history
+
+
+def _strategy_round_metrics(strategy: Strategy, server_round: int) -> dict[str, float]:
+    """Per-round figures a compressing strategy reports (bytes, compression ratio, rejected replies)."""
+    round_metrics = getattr(strategy, "round_metrics", None)
+    return dict(round_metrics(server_round)) if callable(round_metrics) else {}
+
+
+class _RoundOffset(Strategy):
+    """Present round ``r`` to ``inner`` as ``r + offset``, so a resumed run keeps its round numbers."""
+
+    def __init__(self, inner: Strategy, offset: int) -> None:
+        self.inner, self.offset = inner, offset
+
+    def configure_train(self, server_round, arrays, config, grid):
+        return self.inner.configure_train(server_round + self.offset, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        return self.inner.aggregate_train(server_round + self.offset, replies)
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return self.inner.configure_evaluate(server_round + self.offset, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        return self.inner.aggregate_evaluate(server_round + self.offset, replies)
+
+    def summary(self) -> None:
+        self.inner.summary()

@@ -1,0 +1,226 @@
+"""The coordinator service: rounds over MQTT, checkpointed each round, audited, resumable.
+
+It runs any :class:`fedge.server.runner.FederatedRun` (a strategy and a model; the reference app builds
+one from its config in :mod:`fedge.app.coordinator`). Files in ``state_dir``:
+
+``checkpoint.npz``
+    Global model, last completed round, run history and strategy state; replaced atomically after each round.
+``audit.jsonl``
+    One line per reply: which node's update was accepted (or rejected, and why) for which round.
+``status.json``
+    Round, online nodes, their device profiles, dropped replies and last accuracy, refreshed every few
+    seconds (what ``fedge status`` shows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord
+
+from fedge.atomic import write_json_atomic
+from fedge.config import ConfigError, read_secret
+from fedge.flower.compat import set_task_identity
+from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
+from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.server.runner import FederatedRun, ResumePoint, run_rounds
+from fedge.transport.config import MqttConfig
+from fedge.transport.grid import MqttGrid
+
+__all__ = ["STATUS_FILE", "ServiceConfig", "read_status", "run_service"]
+
+log = logging.getLogger(__name__)
+
+STATUS_FILE = "status.json"
+AUDIT_FILE = "audit.jsonl"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Where the coordinator service connects and keeps its state.
+
+    Parameters
+    ----------
+    mqtt : MqttConfig
+        The coordinator's broker connection (user ``coordinator`` in the deploy configuration).
+    state_dir : str
+        Checkpoint, audit log and status file.
+    wait_for_nodes_s : float (default: 600)
+        How long to wait for the run's ``min_nodes`` before giving up.
+    node_stall_s : float or None (default: None)
+        Also give up waiting once this long passes without another node coming online (a fleet still
+        starting gets ``wait_for_nodes_s``; a stuck one is noticed sooner).
+    round_timeout_s : float (default: 600)
+        How long a round waits for replies; missing replies do not stop the round.
+    node_keys_dir : str, optional
+        Directory of ``<node_id>.key`` files; when set, every reply must carry a valid HMAC signature.
+    run_id : int (default: 1)
+        The Flower run id stamped on instructions.
+    """
+
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
+    state_dir: str = "coordinator-state"
+    wait_for_nodes_s: float = 600.0
+    node_stall_s: float | None = None
+    round_timeout_s: float = 600.0
+    node_keys_dir: str | None = None
+    run_id: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.state_dir:
+            raise ConfigError("state_dir must not be empty")
+        for name in ("wait_for_nodes_s", "round_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.run_id < 0:
+            raise ConfigError(f"run_id must be >= 0, got {self.run_id}")
+
+    def node_keys(self) -> dict[str, bytes] | None:
+        """Every node's signing key, read as the agent reads its own (first line, stripped)."""
+        if self.node_keys_dir is None:
+            return None
+        keys = {
+            p.stem: read_secret(p, "signing key").encode() for p in Path(self.node_keys_dir).glob("*.key")
+        }
+        if not keys:
+            raise ConfigError(f"node_keys_dir {self.node_keys_dir} holds no <node>.key files")
+        return keys
+
+
+def run_service(
+    config: ServiceConfig,
+    run: FederatedRun,
+    *,
+    resume: bool = False,
+    listeners: Iterable[RoundListener] = (),
+) -> RunHistory:
+    """Wait for ``run.min_nodes`` nodes, run the remaining rounds over MQTT, checkpoint and audit each one.
+
+    Parameters
+    ----------
+    config : ServiceConfig
+        Broker and state directory.
+    run : FederatedRun
+        Strategy, initial model and evaluation; a strategy with ``state_dict``/``load_state_dict`` has its
+        state checkpointed too.
+    resume : bool (default: False)
+        Continue after the last completed round in ``state_dir`` (a fresh start if there is none).
+    listeners : iterable of callables, optional
+        Told of each completed round, after its checkpoint is written.
+    """
+    state_dir = Path(config.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    resume_point = load_checkpoint(state_dir) if resume else None
+    if resume_point is not None:
+        log.info("resuming after round %d", resume_point.completed_round)
+    set_task_identity(run_id=config.run_id)
+    strategy = run.strategy
+    with (
+        _AuditLog(state_dir / AUDIT_FILE) as audit,
+        MqttGrid(config.mqtt, node_keys=config.node_keys(), audit=audit.write) as grid,
+        _StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point) as status,
+    ):
+        log.info("waiting for %d nodes", run.min_nodes)
+        if not grid.wait_for_nodes(run.min_nodes, config.wait_for_nodes_s, stall_timeout=config.node_stall_s):
+            online = len(grid.endpoint.online_nodes())
+            raise TimeoutError(f"{online} of the {run.min_nodes} nodes needed came online; gave up waiting")
+        if resume_point is not None and hasattr(strategy, "load_state_dict"):
+            strategy.load_state_dict(resume_point.strategy_state)
+
+        def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
+            strategy_state = strategy.state_dict() if hasattr(strategy, "state_dict") else {}
+            save_checkpoint(state_dir, server_round, arrays, history, strategy_state)
+            audit.sync()
+
+        return run_rounds(
+            grid,
+            run,
+            [*listeners, status.on_round],
+            resume=resume_point,
+            on_round_end=checkpoint,
+            timeout=config.round_timeout_s,
+        )
+
+
+def read_status(state_dir: str | Path) -> dict[str, Any]:
+    """What the coordinator last wrote to ``status.json``."""
+    path = Path(state_dir) / STATUS_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"no coordinator status in {state_dir}: {err}") from None
+
+
+class _AuditLog:
+    """Append-only JSON lines; flushed per line, fsynced with each checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self._handle = path.open("a")
+        self._lock = threading.Lock()
+
+    def write(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._handle.write(json.dumps(event) + "\n")
+            self._handle.flush()
+
+    def sync(self) -> None:
+        with self._lock:
+            os.fsync(self._handle.fileno())
+
+    def __enter__(self) -> _AuditLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.close()
+
+
+class _StatusWriter:
+    """Refreshes ``status.json`` every two seconds from a background thread."""
+
+    def __init__(self, path: Path, grid: MqttGrid, rounds: int, resume: ResumePoint | None) -> None:
+        self._path, self._grid, self._rounds = path, grid, rounds
+        last = resume.history.rounds[-1] if resume and resume.history.rounds else None
+        self._round = resume.completed_round if resume else 0
+        self._accuracy = last.accuracy if last else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fedge-status", daemon=True)
+
+    def on_round(self, metrics: RoundMetrics) -> None:
+        self._round, self._accuracy = metrics.round, metrics.accuracy
+        self._write()
+
+    def _write(self) -> None:
+        online = sorted(self._grid.endpoint.online_nodes())
+        status = {
+            "round": self._round,
+            "rounds": self._rounds,
+            "last_accuracy": self._accuracy,
+            "online_nodes": online,
+            "profiles": {name: p.to_json() for name, p in sorted(self._grid.profiles.items())},
+            "dropped_replies": dict(self._grid.dropped),
+            "updated_at": time.time(),
+            "pid": os.getpid(),
+        }
+        write_json_atomic(self._path, status)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(2.0):
+            self._write()
+
+    def __enter__(self) -> _StatusWriter:
+        self._write()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._write()
