@@ -9,7 +9,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export HF_DATASETS_OFFLINE := 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test install lint format mosquitto clean
+.PHONY: demo test test-load install lint format mosquitto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -41,6 +41,10 @@ format: install
 
 test: install mosquitto lint
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# The service and fleet tests with two busy-loop processes beside them, three times in a row.
+test-load: install mosquitto
+	$(BIN)/python tests/run_under_load.py --busy 2 --repeat 3 tests/service
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

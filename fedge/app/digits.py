@@ -69,7 +69,15 @@ def dirichlet_partitions(num_partitions: int, alpha: float, seed: int) -> tuple[
             return tuple(cached[f"p{i}"] for i in range(num_partitions))
     except (OSError, KeyError, ValueError):
         pass  # not cached yet (or damaged): compute it
-    parts = _compute_dirichlet_partitions(num_partitions, alpha, seed)
+    try:
+        parts = _compute_dirichlet_partitions(num_partitions, alpha, seed)
+    except ValueError as err:  # flwr-datasets gives up after 10 draws with an empty (too small) client
+        images = len(digits_split("train")[1])
+        raise ValueError(
+            f"cannot split the {images:,} digits training images among {num_partitions} clients with "
+            f"alpha {alpha:g} (every client needs a few images): use fewer clients (about {images // 10} "
+            f"or less) or a larger alpha ({err})"
+        ) from None
     buffer = io.BytesIO()
     np.savez(buffer, **{f"p{i}": part for i, part in enumerate(parts)})
     try:

@@ -54,8 +54,9 @@ def simulate(
     """Run the reference app with N virtual clients on this machine."""
     from rich.console import Console
 
-    from fedge.app.task import load_task
+    from fedge.app.task import load_task, prepare_task
     from fedge.reporting.display import RoundProgress, summary_table
+    from fedge.server.runner import RunFailed
     from fedge.simulation.config import SimulationConfig
     from fedge.simulation.engines import run_simulation
 
@@ -79,6 +80,9 @@ def simulate(
         sim = SimulationConfig.from_toml(config, flags) if config else SimulationConfig.from_mapping(flags)
         load_task(sim.app.task, sim.app.task_args)
     configure_logging(verbose)
+    with config_errors():  # e.g. more clients than the task's data can be split into
+        app = sim.app
+        prepare_task(app.task, app.task_args_json, sim.clients, alpha=app.alpha, seed=app.seed)
     console = Console()
     console.print(
         f"[bold]fedge simulate[/]: {sim.clients} clients, {sim.app.rounds} rounds, engine {sim.engine}, "
@@ -87,8 +91,11 @@ def simulate(
     )
     completed: list[int] = []
     try:
-        with RoundProgress(sim.app.rounds, console) as progress, config_errors():
+        with RoundProgress(sim.app.rounds, console) as progress:
             history = run_simulation(sim, listeners=[progress.update, lambda m: completed.append(m.round)])
+    except RunFailed as err:
+        typer.echo(f"error: {err} (-v shows the whole client traceback)", err=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         kept = f"; its metrics and plots are in {out}" if completed else ""
         console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")

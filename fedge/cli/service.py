@@ -27,6 +27,7 @@ def coordinator(
 
     from fedge.app.coordinator import CoordinatorConfig, run_coordinator
     from fedge.reporting.display import summary_table
+    from fedge.server.runner import RunFailed
     from fedge.server.service import read_status
 
     with config_errors():
@@ -47,6 +48,9 @@ def coordinator(
             history = run_coordinator(settings, resume=resume)
     except (TimeoutError, ConnectionError) as err:
         raise fail(str(err)) from None
+    except RunFailed as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         try:
             done = read_status(settings.service.state_dir).get("round", 0)
@@ -84,13 +88,23 @@ def agent(
 def status(
     config: Path = typer.Option(..., "--config", help="The coordinator's coordinator.toml."),
     json_out: bool = typer.Option(False, "--json", help="Print the raw status as JSON."),
+    audit: bool = typer.Option(False, "--audit", help="Per node, the rounds its update counted in."),
 ) -> None:
-    """Show the coordinator's round, online nodes and last accuracy."""
+    """Show the coordinator's round, online nodes and last accuracy (or, with --audit, who counted when)."""
     from fedge.app.coordinator import CoordinatorConfig
+    from fedge.server.audit import AUDIT_FILE, counted_rounds
     from fedge.server.service import read_status
 
     with config_errors():
-        current = read_status(CoordinatorConfig.from_toml(config).service.state_dir)
+        state_dir = Path(CoordinatorConfig.from_toml(config).service.state_dir)
+        current = {} if audit else read_status(state_dir)
+    if audit:
+        counted = counted_rounds(state_dir / AUDIT_FILE)
+        if json_out:
+            typer.echo(json.dumps(counted))
+        for node, rounds in counted.items() if not json_out else ():
+            typer.echo(f"{node:<24} {len(rounds):>4} rounds: {_ranges(rounds)}")
+        return
     if json_out:
         typer.echo(json.dumps(current))
         return
@@ -99,3 +113,24 @@ def status(
     typer.echo(f"last accuracy {'-' if accuracy is None else f'{100 * accuracy:.2f}%'}")
     typer.echo(f"online nodes  {len(current['online_nodes'])}: {' '.join(current['online_nodes'])}")
     typer.echo(f"updated       {time.time() - current['updated_at']:.0f} s ago (pid {current['pid']})")
+    for name, profile in current.get("profiles", {}).items():
+        typer.echo(
+            f"  {name:<22} {profile.get('cpus', '?')} CPUs, {profile.get('memory_total_mb', '?')} MB, "
+            f"{profile.get('machine', '')}"
+        )
+    dropped = current.get("dropped_replies", {})
+    if dropped:
+        typer.echo(
+            "dropped       " + ", ".join(f"{reason} {count}" for reason, count in sorted(dropped.items()))
+        )
+
+
+def _ranges(rounds: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``"1-3, 5"``."""
+    spans: list[list[int]] = []
+    for r in rounds:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

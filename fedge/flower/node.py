@@ -61,7 +61,7 @@ def call_client_app(client_app: ClientApp, message: Message, context: Context) -
         return client_app(message, context)
     except Exception as err:  # a failing client must not stop the round, the worker or the agent
         node = describe_node(context)
-        log.warning("ClientApp on %s raised: %r", node, err)
+        log.info("ClientApp on %s raised: %r", node, err)  # the round's summary warns, once
         return error_reply(
             message, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{node}: {traceback.format_exc()}"
         )

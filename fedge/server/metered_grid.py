@@ -27,6 +27,7 @@ class RoundTraffic:
     failed: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    first_error: str = ""  # the reason of the round's first error reply (a client traceback, usually)
 
 
 class MeteredGrid(RunGrid):
@@ -98,6 +99,7 @@ class MeteredGrid(RunGrid):
                 continue
             if reply.has_error():
                 self._traffic.failed += 1
+                self._traffic.first_error = self._traffic.first_error or reply.error.reason
             else:
                 self._traffic.replied += 1
 

@@ -27,12 +27,16 @@ from flwr.serverapp.strategy import Strategy
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
 from fedge.server.metered_grid import MeteredGrid
 
-__all__ = ["FederatedRun", "ResumePoint", "RoundEnd", "run_rounds"]
+__all__ = ["FederatedRun", "ResumePoint", "RoundEnd", "RunFailed", "run_rounds"]
 
 log = logging.getLogger(__name__)
 
 RoundEnd = Callable[[int, ArrayRecord, RunHistory], None]
 """``(round, global model, history)`` after a round is recorded, before listeners hear of it."""
+
+
+class RunFailed(RuntimeError):
+    """The run stopped because it was not training: no client update was accepted for too long."""
 
 
 @dataclass
@@ -60,6 +64,9 @@ class FederatedRun:
         interrupted); empty writes nothing.
     min_nodes : int (default: 1)
         Nodes a coordinator waits for before round 1.
+    max_failed_rounds : int (default: 3)
+        Stop with :class:`RunFailed` after this many consecutive rounds in which no client update was
+        accepted (0 never stops); a run that ends without a single accepted update fails too.
     """
 
     strategy: Strategy
@@ -71,6 +78,7 @@ class FederatedRun:
     seed: int | None = None
     out_dir: str = ""
     min_nodes: int = 1
+    max_failed_rounds: int = 3
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,7 @@ def run_rounds(
         history.initial_accuracy = resume.history.initial_accuracy
         strategy = _RoundOffset(strategy, done)
     round_started = time.perf_counter()
+    failures = _FailureWatch(run.max_failed_rounds)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         nonlocal round_started
@@ -150,6 +159,7 @@ def run_rounds(
             if run.out_dir:  # people (and tools) can follow a long run in metrics.json
                 history.write(run.out_dir)
             history.notify(metrics)
+            failures.check(metrics, traffic.first_error)
         round_started = time.perf_counter()
         return MetricRecord({"accuracy": result["accuracy"], "loss": result["loss"]})
 
@@ -166,7 +176,51 @@ def run_rounds(
     finally:  # an interrupted or failed run still leaves the rounds it completed
         if run.out_dir and history.rounds:
             write_run_outputs(history, run.out_dir)
+    failures.check_run(history)
     return history
+
+
+class _FailureWatch:
+    """Counts rounds in which no update was accepted; says why, and stops a run that is not training."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row, self.first_error = limit, 0, ""
+
+    def check(self, metrics: RoundMetrics, first_error: str) -> None:
+        accepted = metrics.extra.get("accepted", metrics.clients_replied)
+        if accepted:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.first_error = self.first_error or first_error
+        cause = _last_line(first_error) or "no client replied in time"
+        log.warning(
+            "round %d: no client update was accepted (%d of %d clients replied with an error); first: %s",
+            metrics.round,
+            metrics.clients_sampled - metrics.clients_replied,
+            metrics.clients_sampled,
+            cause,
+        )
+        if first_error:
+            log.info("round %d: the first client error in full:\n%s", metrics.round, first_error)
+        if self.limit and self.in_a_row >= self.limit:
+            raise RunFailed(
+                f"no client update was accepted in {self.in_a_row} consecutive rounds; first: {cause}"
+            )
+
+    def check_run(self, history: RunHistory) -> None:
+        if history.rounds and all(not r.extra.get("accepted", r.clients_replied) for r in history.rounds):
+            cause = _last_line(self.first_error) or "no client replied in time"
+            raise RunFailed(f"no client update was accepted in any round; first: {cause}")
+
+
+def _last_line(text: str) -> str:
+    """The line of a traceback people need first: its last, with the partition named in its first."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    head = lines[0].split(":", 1)[0] if lines[0].startswith(("partition ", "node ")) else ""
+    return f"{head}: {lines[-1]}" if head and len(lines) > 1 else lines[-1]
 
 
 def _strategy_round_metrics(strategy: Strategy, server_round: int) -> dict[str, float]:

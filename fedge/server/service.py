@@ -6,7 +6,8 @@ one from its config in :mod:`fedge.app.coordinator`). Files in ``state_dir``:
 ``checkpoint.npz``
     Global model, last completed round, run history and strategy state; replaced atomically after each round.
 ``audit.jsonl``
-    One line per reply: which node's update was accepted (or rejected, and why) for which round.
+    One line per reply: which node's update was accepted (or rejected, and why) for which round, and a
+    commit line per round written after its checkpoint (:mod:`fedge.server.audit`).
 ``status.json``
     Round, online nodes, their device profiles, dropped replies and last accuracy, refreshed every few
     seconds (what ``fedge status`` shows).
@@ -30,6 +31,7 @@ from fedge.atomic import write_json_atomic
 from fedge.config import ConfigError, read_secret
 from fedge.flower.compat import set_task_identity
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
+from fedge.server.audit import AUDIT_FILE, AuditLog
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
 from fedge.server.runner import FederatedRun, ResumePoint, run_rounds
 from fedge.transport.config import MqttConfig
@@ -40,7 +42,6 @@ __all__ = ["STATUS_FILE", "ServiceConfig", "read_status", "run_service"]
 log = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
-AUDIT_FILE = "audit.jsonl"
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def run_service(
     set_task_identity(run_id=config.run_id)
     strategy = run.strategy
     with (
-        _AuditLog(state_dir / AUDIT_FILE) as audit,
+        AuditLog(state_dir / AUDIT_FILE) as audit,
         MqttGrid(config.mqtt, node_keys=config.node_keys(), audit=audit.write) as grid,
         _StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point) as status,
     ):
@@ -134,11 +135,15 @@ def run_service(
             raise TimeoutError(f"{online} of the {run.min_nodes} nodes needed came online; gave up waiting")
         if resume_point is not None and hasattr(strategy, "load_state_dict"):
             strategy.load_state_dict(resume_point.strategy_state)
+        if resume_point is None:
+            audit.start_run()
+        else:
+            audit.settle(resume_point.completed_round)
 
         def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
             strategy_state = strategy.state_dict() if hasattr(strategy, "state_dict") else {}
             save_checkpoint(state_dir, server_round, arrays, history, strategy_state)
-            audit.sync()
+            audit.commit(server_round)  # only now do the round's accepted updates count
 
         return run_rounds(
             grid,
@@ -157,29 +162,6 @@ def read_status(state_dir: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"no coordinator status in {state_dir}: {err}") from None
-
-
-class _AuditLog:
-    """Append-only JSON lines; flushed per line, fsynced with each checkpoint."""
-
-    def __init__(self, path: Path) -> None:
-        self._handle = path.open("a")
-        self._lock = threading.Lock()
-
-    def write(self, event: dict[str, Any]) -> None:
-        with self._lock:
-            self._handle.write(json.dumps(event) + "\n")
-            self._handle.flush()
-
-    def sync(self) -> None:
-        with self._lock:
-            os.fsync(self._handle.fileno())
-
-    def __enter__(self) -> _AuditLog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handle.close()
 
 
 class _StatusWriter:

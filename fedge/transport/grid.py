@@ -98,16 +98,22 @@ class MqttGrid(RunGrid):
     def wait_for_nodes(self, count: int, timeout: float, *, stall_timeout: float | None = None) -> bool:
         """Block until ``count`` nodes are online (True) or ``timeout`` seconds pass (False).
 
-        With ``stall_timeout``, also give up once that long passes without one more node coming online:
-        a fleet that is still starting on a loaded machine gets the time it needs, a stuck one does not.
+        With ``stall_timeout``, once the first node is online, also give up when that long passes without
+        one more coming online: a fleet still starting on a loaded machine gets the time it needs, a stuck
+        one is noticed sooner.
         """
-        start = last_progress = time.monotonic()
-        best = 0
+        start = time.monotonic()
+        best, last_progress = 0, None
         while (online := len(self.endpoint.online_nodes())) < count:
             now = time.monotonic()
             if online > best:
                 best, last_progress = online, now
-            if now - start > timeout or (stall_timeout is not None and now - last_progress > stall_timeout):
+            stalled = (
+                stall_timeout is not None
+                and last_progress is not None
+                and now - last_progress > stall_timeout
+            )
+            if now - start > timeout or stalled:
                 return False
             time.sleep(0.1)
         return True

@@ -115,3 +115,49 @@ def test_ctrl_c_keeps_the_completed_rounds(tmp_path):
     assert completed >= 1, output[-2000:]
     assert len(json.loads((out / "metrics.json").read_text())["rounds"]) == completed
     assert (out / "accuracy.png").is_file() and "Traceback" not in output
+
+
+BROKEN_TASK = """
+from fedge.app.task import DigitsTask
+
+
+class Broken(DigitsTask):
+    def load_partition(self, partition_id, num_partitions, *, alpha, seed):
+        raise ValueError(f"broken data in partition {partition_id}")
+"""
+
+
+def test_a_run_that_trains_nothing_stops_with_one_line_and_a_non_zero_status(tmp_path):
+    (tmp_path / "broken.py").write_text(BROKEN_TASK)
+    out = tmp_path / "run"
+    args = ["simulate", "--task", f"{tmp_path / 'broken.py'}:Broken", "--clients", "2", "--rounds", "10"]
+    result = runner.invoke(app, [*args, "--workers", "1", "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "no client update was accepted in 3 consecutive rounds" in error[0]
+    assert "ValueError: broken data in partition" in error[0] and "partition " in error[0]
+    assert len(json.loads((out / "metrics.json").read_text())["rounds"]) == 3  # kept, and no more
+
+
+def test_more_clients_than_the_data_can_split_is_one_line(tmp_path):
+    env = {**__import__("os").environ, "FEDGE_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedge",
+            "simulate",
+            "--clients",
+            "1000",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: cannot split the 1,438 digits training images among 1000 clients")
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,82 @@
+"""The audit log tells the truth after any crash; nothing outside learns of a round before it is durable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fedge.app import client_app as reference
+from fedge.app.config import AppConfig
+from fedge.app.server_app import run_federated
+from fedge.flower.compat import set_task_identity
+from fedge.server.audit import AuditLog, counted_rounds
+from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.simulation.local_grid import LocalGrid
+
+
+def _accept(log: AuditLog, node: str, server_round: int) -> None:
+    log.write({"event": "accepted", "node": node, "round": str(server_round), "time": 0.0})
+
+
+def test_only_committed_rounds_count_and_a_resume_voids_the_lost_round(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.start_run()
+        for node in ("a", "b"):
+            _accept(log, node, 1)
+        log.commit(1)
+        for node in ("a", "b"):
+            _accept(log, node, 2)  # the coordinator is killed before round 2's checkpoint
+    assert counted_rounds(path) == {"a": [1], "b": [1]}
+    with AuditLog(path) as log:  # restarted with --resume from the checkpoint of round 1
+        log.settle(completed_round=1)
+        _accept(log, "a", 2)  # round 2 runs again; only a answers this time
+        log.commit(2)
+    assert counted_rounds(path) == {"a": [1, 2], "b": [1]}
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["round"] for e in events if e["event"] == "void"] == [2]
+
+
+def test_a_crash_between_checkpoint_and_commit_keeps_the_round(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.start_run()
+        _accept(log, "a", 1)  # checkpoint of round 1 written, then killed before the commit line
+    with AuditLog(path) as log:
+        log.settle(completed_round=1)
+    assert counted_rounds(path) == {"a": [1]}
+
+
+def test_a_fresh_run_starts_counting_again_and_torn_lines_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.start_run()
+        _accept(log, "a", 1)
+        log.commit(1)
+        log.start_run()
+        _accept(log, "b", 1)
+        log.commit(1)
+    with path.open("a") as handle:
+        handle.write('{"event": "accepted", "node": "c", "ro')  # torn by a crash
+    assert counted_rounds(path) == {"b": [1]}
+
+
+def test_listeners_hear_of_a_round_only_after_its_checkpoint(tmp_path: Path) -> None:
+    """What status.json and progress displays are told is already in the checkpoint."""
+    heard: list[tuple[int, int]] = []
+
+    def checkpoint(server_round, arrays, history) -> None:
+        save_checkpoint(tmp_path, server_round, arrays, history)
+
+    def listener(metrics) -> None:
+        heard.append((metrics.round, load_checkpoint(tmp_path).completed_round))
+
+    set_task_identity(run_id=1)
+    grid = LocalGrid(reference.app, 3, workers=1)
+    try:
+        run_federated(
+            grid, AppConfig(rounds=2, local_epochs=1, min_nodes=3), [listener], on_round_end=checkpoint
+        )
+    finally:
+        grid.shutdown()
+    assert heard == [(1, 1), (2, 2)]
