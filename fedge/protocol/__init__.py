@@ -14,8 +14,9 @@ import Flower.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedge.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from fedge.protocol.fleet import (
@@ -61,8 +62,6 @@ _HOMES = {
     ],
     "reference": ["advance_reference", "snap_to_grid"],
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
-
 __all__ = [
     "APPROXIMATE",
     "FULL",
@@ -83,14 +82,4 @@ __all__ = [
     "validate_name",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME_OF:
-        raise AttributeError(f"module 'fedge.protocol' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"fedge.protocol.{_HOME_OF[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, __all__)

@@ -15,8 +15,9 @@ The public face (see ``docs/mqtt-protocol.md`` for the topics and frames)::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fedge.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from fedge.transport.channel import ReliableChannel
@@ -37,8 +38,6 @@ _HOMES = {
     "sender": ["SenderStats", "TransferError", "TransferHandle"],
     "topics": ["Topics"],
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
-
 __all__ = [
     "BrokerAddress",
     "CoordinatorEndpoint",
@@ -55,14 +54,4 @@ __all__ = [
     "TransferSettings",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME_OF:
-        raise AttributeError(f"module 'fedge.transport' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"fedge.transport.{_HOME_OF[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, __all__)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2] / "fedge"
 
 BASE = {"base"}
 # What each component may import from fedge (always itself too). "base" is fedge.config, fedge.atomic,
-# fedge.importing and the package itself: leaves every layer may use.
+# fedge.lazy, fedge.importing and the package itself: leaves every layer may use.
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
     "compression": set(),
@@ -28,10 +28,21 @@ ALLOWED: dict[str, set[str]] = {
     "localnet": BASE,
     "transport": BASE | {"protocol", "devices", "flower"},
     "partitioning": BASE | {"compression", "devices"},
-    "server": BASE | {"compression", "protocol", "flower", "devices", "reporting", "transport"},
-    "client": BASE | {"compression", "protocol", "flower", "devices", "transport"},
+    "inference": BASE | {"protocol", "devices"},
+    "server": BASE | {"compression", "protocol", "flower", "devices", "reporting", "transport", "inference"},
+    "client": BASE | {"compression", "protocol", "flower", "devices", "transport", "inference"},
     "app": BASE
-    | {"compression", "protocol", "flower", "devices", "reporting", "transport", "server", "client"},
+    | {
+        "compression",
+        "protocol",
+        "flower",
+        "devices",
+        "reporting",
+        "transport",
+        "inference",
+        "server",
+        "client",
+    },
 }
 ALLOWED["simulation"] = ALLOWED["app"] | {"app", "localnet"}
 ALLOWED["bench"] = ALLOWED["simulation"] | {"simulation", "partitioning"}
@@ -41,6 +52,7 @@ ALLOWED["cli"] = ALLOWED["bench"] | {"bench"}
 FORBIDDEN_THIRD_PARTY = {
     "compression": {"flwr", "paho", "torch", "onnx", "onnxruntime"},
     "partitioning": {"flwr", "paho"},
+    "inference": {"flwr", "torch"},
     "protocol.fleet": {"flwr", "torch"},
     "devices": {"flwr", "paho", "torch"},
     "localnet": {"flwr", "torch"},
@@ -58,7 +70,7 @@ def _module_name(path: Path) -> str:
 
 def _component(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("config", "atomic", "importing"):
+    if len(parts) == 1 or parts[1] in ("config", "atomic", "importing", "lazy"):
         return "base"
     if parts[1] == "__main__":
         return "cli"
