@@ -1,5 +1,96 @@
-"""Devices: the profile a device reports (or a simulation declares) and, next, the simulated clock."""
+"""Devices: the profile a device reports, the device classes of a simulated fleet, their availability over
+time, the simulated clock of a round, and per-client budgets. Pure numpy and the standard library: no Flower,
+MQTT or torch, so the coordinator, the engines and the benches all share one model of a heterogeneous fleet.
+"""
 
+from fedge.devices.budget import (
+    OPTIMIZER_SLOTS,
+    TOPK_INT8_BITS,
+    can_train,
+    topk_bits,
+    topk_density,
+    training_memory_bytes,
+    upload_budget_bytes,
+)
+from fedge.devices.clock import (
+    PHASES,
+    BufferSchedule,
+    ClientTiming,
+    Flush,
+    RoundOutcome,
+    Update,
+    buffered_schedule,
+    draw_disconnects,
+    select_replies,
+    staleness_weight,
+    time_client,
+    transfer,
+)
+from fedge.devices.fleet import (
+    CATALOGUE,
+    MB,
+    ClientProfile,
+    ComputeProfile,
+    FleetConfig,
+    LinkProfile,
+    assign_fleet,
+    fleet_counts,
+    mbit_per_s,
+)
 from fedge.devices.profile import MAX_PROFILE_BYTES, DeviceProfile, measure_device
+from fedge.devices.synthetic import DAY_S, diurnal_trace, random_trace
+from fedge.devices.traces import (
+    MAX_TRACE_BYTES,
+    AvailabilityTrace,
+    Capacity,
+    RestrictedUnpickler,
+    TraceError,
+    read_availability,
+    read_capacity,
+    safe_unpickle,
+)
 
-__all__ = ["MAX_PROFILE_BYTES", "DeviceProfile", "measure_device"]
+__all__ = [
+    "CATALOGUE",
+    "DAY_S",
+    "MAX_PROFILE_BYTES",
+    "MAX_TRACE_BYTES",
+    "MB",
+    "OPTIMIZER_SLOTS",
+    "PHASES",
+    "TOPK_INT8_BITS",
+    "AvailabilityTrace",
+    "BufferSchedule",
+    "Capacity",
+    "ClientProfile",
+    "ClientTiming",
+    "ComputeProfile",
+    "DeviceProfile",
+    "FleetConfig",
+    "Flush",
+    "LinkProfile",
+    "RestrictedUnpickler",
+    "RoundOutcome",
+    "TraceError",
+    "Update",
+    "assign_fleet",
+    "buffered_schedule",
+    "can_train",
+    "diurnal_trace",
+    "draw_disconnects",
+    "fleet_counts",
+    "mbit_per_s",
+    "measure_device",
+    "random_trace",
+    "read_availability",
+    "read_capacity",
+    "safe_unpickle",
+    "select_replies",
+    "staleness_weight",
+    "time_client",
+    "topk_bits",
+    "topk_density",
+    "training_memory_bytes",
+    "transfer",
+    "upload_budget_bytes",
+]

@@ -1,0 +1,135 @@
+"""FedScale trace readers (safe unpickling), the availability queries, and synthetic traces."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from fedge.devices import (
+    CATALOGUE,
+    AvailabilityTrace,
+    Capacity,
+    TraceError,
+    diurnal_trace,
+    random_trace,
+    read_availability,
+    read_capacity,
+)
+
+TRACE = {
+    1: {"duration": 100, "active": [10, 50], "inactive": [20, 90], "finish_time": 100},
+    2: {"duration": 100, "active": [0], "inactive": [100], "finish_time": 100},  # always there
+    3: {"duration": 100, "active": [0, 90], "inactive": [10, 100], "finish_time": 100},  # wraps around
+    4: {"duration": 100, "active": [], "inactive": [], "finish_time": 100},  # never there
+}
+
+
+def write(tmp_path, obj, protocol=pickle.HIGHEST_PROTOCOL, name="trace.pkl"):
+    path = tmp_path / name
+    path.write_bytes(pickle.dumps(obj, protocol=protocol))
+    return path
+
+
+@pytest.mark.parametrize("protocol", [0, 2, pickle.HIGHEST_PROTOCOL])
+def test_reads_fedscale_availability(tmp_path, protocol):
+    trace = read_availability(write(tmp_path, TRACE, protocol))
+    assert trace.clients == (1, 2, 3, 4)
+    assert trace.is_available(1, 15) and not trace.is_available(1, 25) and not trace.is_available(1, 20)
+    assert trace.is_available(1, 115)  # loops modulo finish_time
+    assert trace.available_until(1, 15) == 20
+    assert trace.available_until(1, 215) == 220
+    assert trace.available_until(1, 25) == 25  # away now
+    assert trace.next_available(1, 25) == 50
+    assert trace.next_available(1, 95) == 110  # next loop
+    assert trace.next_available(1, 55) == 55
+    assert trace.available_until(2, 5) == math.inf
+    assert trace.available_until(3, 95) == 110  # [90, 100) continues into [0, 10) of the next loop
+    assert trace.next_available(4, 5) == math.inf and not trace.is_available(4, 5)
+    assert trace.available(15).tolist() == [True, True, False, False]
+    assert trace.fraction_available(5) == 0.5  # clients 2 and 3
+    with pytest.raises(KeyError, match="client 9"):
+        trace.is_available(9, 0)
+
+
+def test_reads_fedscale_capacity(tmp_path):
+    caps = read_capacity(write(tmp_path, {7: {"computation": 50.0, "communication": 800}}))
+    assert caps == {7: Capacity(50.0, 800.0)}
+    profile = caps[7].to_profile(CATALOGUE["phone_lte"], reference_forward_flops=1e7)
+    assert profile.compute.flops_per_s == pytest.approx(2e8)  # 1e7 FLOPs per 50 ms
+    assert profile.link.uplink_bytes_per_s == profile.link.downlink_bytes_per_s == 100_000
+    assert profile.compute.memory_bytes == CATALOGUE["phone_lte"].compute.memory_bytes
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("reader", [read_availability, read_capacity])
+def test_a_pickle_naming_os_system_is_refused(tmp_path, reader):
+    marker = tmp_path / "pwned"
+    path = write(tmp_path, {1: Exploit(marker)})
+    with pytest.raises(TraceError, match="system"):
+        reader(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        ({1: {"computation": np.float64(1.0), "communication": 1.0}}, "numpy"),
+        ({1: {"computation": 1.0}}, "lacks 'communication'"),
+        ([1, 2], "must be a dict"),
+        ({1: {"computation": -1.0, "communication": 1.0}}, "non-positive"),
+    ],
+)
+def test_bad_capacity_traces(tmp_path, obj, message):
+    with pytest.raises(TraceError, match=message):
+        read_capacity(write(tmp_path, obj))
+
+
+def test_bad_availability_traces(tmp_path):
+    with pytest.raises(TraceError, match="equal length"):
+        read_availability(write(tmp_path, {1: {"active": [1], "inactive": [], "finish_time": 5}}))
+    (tmp_path / "junk.pkl").write_bytes(b"not a pickle")
+    with pytest.raises(TraceError, match="not a valid pickle"):
+        read_availability(tmp_path / "junk.pkl")
+    with pytest.raises(TraceError, match="more than"):
+        read_availability(write(tmp_path, TRACE), max_bytes=10)
+
+
+def test_remap_is_seeded():
+    trace = AvailabilityTrace({c: [(c, c + 1)] for c in range(10)}, 20.0)
+    a, b = trace.remap(5, seed=1), trace.remap(5, seed=1)
+    assert a.clients == (0, 1, 2, 3, 4)
+    assert [a.next_available(c, 0) for c in range(5)] == [b.next_available(c, 0) for c in range(5)]
+    assert len({a.next_available(c, 0) for c in range(5)}) == 5  # distinct trace clients
+
+
+def test_random_trace_available_fraction():
+    trace = random_trace(400, mean_on_s=1800, mean_off_s=5400, period_s=2 * 86_400, seed=1)
+    times = np.linspace(0, 2 * 86_400, 97)[:-1]
+    fractions = np.array([trace.fraction_available(t) for t in times])
+    assert abs(fractions.mean() - 0.25) < 0.03
+    assert fractions.max() < 0.5  # at any moment at least half the clients are away
+    again = random_trace(400, mean_on_s=1800, mean_off_s=5400, period_s=2 * 86_400, seed=1)
+    assert all(np.array_equal(trace.available(t), again.available(t)) for t in times[:10])
+    assert [trace.is_available(c, 3600.0) for c in range(400)] == trace.available(3600.0).tolist()
+
+
+def test_diurnal_trace_follows_the_day():
+    trace = diurnal_trace(500, mean_availability=0.3, amplitude=0.2, peak_hour=22, seed=2)
+    hours = np.arange(0, 24, 0.5)
+    fractions = np.array([trace.fraction_available(h * 3600) for h in hours])
+    assert abs(fractions.mean() - 0.3) < 0.04
+    assert fractions[hours == 22][0] > 0.4 > 0.2 > fractions[hours == 10][0]
+    assert fractions.max() <= 0.55
+    # It loops with a one-day period.
+    assert np.array_equal(trace.available(3600.0), trace.available(3600.0 + 86_400))
