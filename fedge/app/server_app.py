@@ -140,9 +140,11 @@ def run_federated(
     resume: ResumePoint | None = None,
     on_round_end: RoundEnd | None = None,
     timeout: float = 3600.0,
+    num_partitions: int | None = None,
 ) -> RunHistory:
-    """Run the app ``config`` describes on ``grid`` (see :func:`fedge.server.runner.run_rounds`)."""
-    run = federated_run(config, strategy)
+    """Run the app ``config`` describes on ``grid`` (see :func:`fedge.server.runner.run_rounds`);
+    ``num_partitions`` (default ``config.min_nodes``) is the run's number of clients."""
+    run = federated_run(config, strategy, num_partitions)
     return run_rounds(grid, run, listeners, resume=resume, on_round_end=on_round_end, timeout=timeout)
 
 

@@ -34,7 +34,11 @@ class RoundMetrics:
     wall_s : float
         Seconds since the previous round ended (or since the start, for round 1).
     extra : dict
-        Anything else a strategy reports (compression ratio, rejected replies, ...).
+        Anything else a strategy reports (compression ratio, rejected replies, ...) or a simulated clock
+        (``sim_time_s``: the round's simulated seconds, ``sim_clock_s``: the clock at its end).
+    timeline : list of dict
+        With a simulated clock, one entry per client of the round: device, status (accepted, late,
+        cut_off, error) and the times of its phases.
     """
 
     round: int
@@ -46,10 +50,13 @@ class RoundMetrics:
     bytes_up: int
     wall_s: float
     extra: dict[str, float] = field(default_factory=dict)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
         row.update(row.pop("extra"))
+        if not row["timeline"]:
+            del row["timeline"]
         return row
 
 

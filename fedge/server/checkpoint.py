@@ -61,11 +61,13 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
             strategy_state = {name: np.array(data[f"s{i}"]) for i, name in enumerate(names)}
         saved = meta["history"]
         history = RunHistory(config=saved["config"], initial_accuracy=saved["initial_accuracy"])
-        known = {f.name for f in dataclasses.fields(RoundMetrics)} - {"extra"}
+        known = {f.name for f in dataclasses.fields(RoundMetrics)} - {"extra", "timeline"}
         for row in saved["rounds"]:
             history.rounds.append(
                 RoundMetrics(
-                    **{k: row[k] for k in known}, extra={k: v for k, v in row.items() if k not in known}
+                    **{k: row[k] for k in known},
+                    extra={k: v for k, v in row.items() if k not in known and k != "timeline"},
+                    timeline=row.get("timeline", []),
                 )
             )
         return ResumePoint(int(meta["round"]), arrays, history, strategy_state)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
@@ -28,6 +29,7 @@ class RoundTraffic:
     bytes_down: int = 0
     bytes_up: int = 0
     first_error: str = ""  # the reason of the round's first error reply (a client traceback, usually)
+    clock: dict[str, Any] = field(default_factory=dict)  # a simulated clock's account of the round, if any
 
 
 class MeteredGrid(RunGrid):
@@ -54,6 +56,9 @@ class MeteredGrid(RunGrid):
     def take(self) -> RoundTraffic:
         """The traffic since the previous call; the count starts again from zero."""
         traffic, self._traffic = self._traffic, RoundTraffic()
+        take_round = getattr(self._grid, "take_round", None)  # a Grid with a simulated clock
+        if callable(take_round):
+            traffic.clock = take_round()
         return traffic
 
     def set_run(self, run: Run) -> None:

@@ -152,7 +152,9 @@ def run_rounds(
                 bytes_up=traffic.bytes_up,
                 wall_s=time.perf_counter() - round_started,
                 extra=_strategy_round_metrics(reporter, server_round),
+                timeline=traffic.clock.get("timeline", []),
             )
+            metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
             history.rounds.append(metrics)
             if on_round_end is not None:
                 on_round_end(server_round, arrays, history)

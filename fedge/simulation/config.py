@@ -11,6 +11,8 @@ from typing import Any
 
 from fedge.app.config import AppConfig
 from fedge.config import ConfigError, check_types, from_table, read_toml
+from fedge.devices.fleet import FleetConfig
+from fedge.simulation.clock_grid import Schedule
 
 __all__ = ["ENGINES", "SimulationConfig"]
 
@@ -43,6 +45,15 @@ class SimulationConfig:
         For the ``mqtt`` engine: an existing broker URL; empty starts fedge's embedded broker.
     app : AppConfig
         Rounds, task, data split and training hyper-parameters.
+    fleet : FleetConfig or None (default: None)
+        A heterogeneous fleet (the ``[fleet]`` table: a mix of device classes): every round is put on a
+        simulated clock (``fedge.simulation.clock_grid``) and metrics gain simulated times. None: no clock.
+    availability : str (default: "")
+        With a fleet: when clients are available. ``""`` always, ``"random"`` (exponential on/off periods,
+        each client away 60% of the time), ``"diurnal"`` (a day's cycle) or the path of a FedScale
+        availability pickle.
+    schedule : Schedule (default: Schedule())
+        With a fleet: deadline, over-selection, availability- and memory-aware sampling (``[schedule]``).
     """
 
     clients: int = 20
@@ -50,6 +61,9 @@ class SimulationConfig:
     workers: int = field(default_factory=_usable_cpus)
     broker: str = ""
     app: AppConfig = field(default_factory=AppConfig)
+    fleet: FleetConfig | None = None
+    availability: str = ""
+    schedule: Schedule = field(default_factory=Schedule)
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -59,6 +73,8 @@ class SimulationConfig:
             raise ConfigError(f"clients must be >= 1, got {self.clients!r}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers!r}")
+        if self.fleet is not None and self.engine == "mqtt":
+            raise ConfigError("a simulated fleet runs on the local or ray engine (mqtt runs in real time)")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SimulationConfig:

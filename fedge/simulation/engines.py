@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -13,10 +14,11 @@ from flwr.serverapp import Grid, ServerApp
 from fedge.app.client_app import app as client_app
 from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
-from fedge.app.task import prepare_task
+from fedge.app.task import PreparedTask, prepare_task
 from fedge.flower.compat import set_task_identity
 from fedge.reporting.history import RoundListener, RunHistory
 from fedge.simulation.config import SimulationConfig
+from fedge.simulation.fleet import clocked_grid
 from fedge.simulation.local_grid import LocalGrid
 
 __all__ = ["run_simulation"]
@@ -39,11 +41,12 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
     RunHistory
         Per-round metrics; also written to ``config.app.out_dir`` when set.
     """
-    # Round 1 must sample from every client, not from whoever registered first.
-    app_config = dataclasses.replace(config.app, min_nodes=config.clients)
+    # Round 1 must sample from every client, not from whoever registered first; with a simulated fleet
+    # the clock's Grid offers only the clients it may (available, with memory), and any one will do.
+    app_config = dataclasses.replace(config.app, min_nodes=1 if config.fleet else config.clients)
     # Prepare the task once here: the local engine's forked workers inherit it (and its data), and the
     # server's test set comes from the same instance.
-    prepare_task(
+    task = prepare_task(
         app_config.task,
         app_config.task_args_json,
         config.clients,
@@ -51,25 +54,31 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
         seed=app_config.seed,
     )
     if config.engine == "ray":
-        return _run_ray(config, app_config, list(listeners))
+        return _run_ray(config, app_config, task, list(listeners))
     if config.engine == "mqtt":
         from fedge.simulation.mqtt_engine import run_mqtt_simulation
 
         workdir = Path(config.app.out_dir) / "mqtt" if config.app.out_dir else None
         return run_mqtt_simulation(config.clients, app_config, listeners, config.broker, workdir)
-    return _run_local(config, app_config, list(listeners))
+    return _run_local(config, app_config, task, list(listeners))
 
 
-def _run_local(config: SimulationConfig, app_config: AppConfig, listeners: list[RoundListener]) -> RunHistory:
+def _run_local(
+    config: SimulationConfig, app_config: AppConfig, task: PreparedTask, listeners: list[RoundListener]
+) -> RunHistory:
     set_task_identity(run_id=_RUN_ID)
     grid = LocalGrid(client_app, config.clients, run_id=_RUN_ID, workers=config.workers)
+    client_of = {node: int(context.node_config["partition-id"]) for node, context in grid.contexts.items()}
     try:
-        return run_federated(grid, app_config, listeners)
+        clocked = clocked_grid(grid, config, task, client_of)
+        return run_federated(clocked, app_config, listeners, num_partitions=config.clients)
     finally:
         grid.shutdown()
 
 
-def _run_ray(config: SimulationConfig, app_config: AppConfig, listeners: list[RoundListener]) -> RunHistory:
+def _run_ray(
+    config: SimulationConfig, app_config: AppConfig, task: PreparedTask, listeners: list[RoundListener]
+) -> RunHistory:
     from flwr.simulation import run_simulation as flower_run_simulation
 
     histories: list[RunHistory] = []
@@ -77,7 +86,12 @@ def _run_ray(config: SimulationConfig, app_config: AppConfig, listeners: list[Ro
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        histories.append(run_federated(grid, app_config, listeners))
+        if config.fleet is not None:  # the clock needs every node's id: wait until all have registered
+            deadline = time.monotonic() + 600
+            while len(nodes := sorted(grid.get_node_ids())) < config.clients and time.monotonic() < deadline:
+                time.sleep(0.1)
+            grid = clocked_grid(grid, config, task, {node: i for i, node in enumerate(nodes)})
+        histories.append(run_federated(grid, app_config, listeners, num_partitions=config.clients))
 
     cpus = os.cpu_count() or 1
     flower_run_simulation(

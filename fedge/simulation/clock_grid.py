@@ -1,0 +1,276 @@
+"""Heterogeneous fleets in simulation: a Grid that puts every client's round on a simulated clock.
+
+:class:`ClockGrid` wraps an engine's Grid. The ClientApps still really train (on the local worker pool or
+Ray); what a fleet of phones, boards and gateways would take is *computed*, never slept: for every reply,
+:func:`fedge.devices.clock.time_client` charges the instruction's real wire bytes over the client's
+downlink, the round's training FLOPs (counted with torch's FLOP counter) over its device's throughput,
+the codec's time, and the reply's real wire bytes over its uplink, with disconnects costing only what the
+resumable transport re-sends. A client whose availability (a trace) ends before its reply arrives is cut
+off and loses its work. The :class:`Schedule` then decides, as a coordinator would, which replies the
+round aggregates (a deadline, fixed or adapted from recent rounds; over-selection: the first M of those
+sampled) and when the round ends; late and cut-off replies are dropped, exactly as the MQTT Grid drops
+late replies, so error feedback sees a lost update as one.
+
+Sampling sees the fleet too: with ``availability_aware`` only clients available now are offered to the
+strategy (and the clock skips ahead when nobody is), with ``memory_aware`` only clients whose memory holds
+training. Identical seeds give identical simulated times.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import Message, MessageType
+from flwr.serverapp import Grid
+
+from fedge.config import ConfigError, check_types
+from fedge.devices.clock import ClientTiming, select_replies, time_client
+from fedge.devices.fleet import ClientProfile
+from fedge.devices.traces import AvailabilityTrace
+from fedge.flower.compat import Run, message_to_bytes
+from fedge.flower.grid import RunGrid
+
+__all__ = ["ClockGrid", "Schedule"]
+
+log = logging.getLogger(__name__)
+
+TrainFlops = Callable[[Message, Message], float]
+"""FLOPs of the training a reply reports, from its instruction and the reply itself."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the coordinator treats a heterogeneous fleet (the ``[schedule]`` table).
+
+    Parameters
+    ----------
+    deadline_s : float or None (default: None)
+        Replies arriving later than this many simulated seconds after the round starts are dropped.
+    adaptive_deadline : bool (default: False)
+        Set the deadline from recent rounds: ``deadline_slack`` times the ``deadline_quantile`` of the
+        arrival delays of the last rounds' replies (``deadline_s``, if given, is the first rounds' value).
+    deadline_quantile : float (default: 0.8)
+        Which arrival delay of recent rounds the adaptive deadline follows, in (0, 1].
+    deadline_slack : float (default: 1.5)
+        Multiplier of that delay, >= 1.
+    over_select : float (default: 1.0)
+        The strategy samples this many times the clients it needs; the round aggregates the first
+        ``ceil(sampled / over_select)`` replies and ends at the last of them. 1.0 waits for everyone.
+    availability_aware : bool (default: False)
+        Offer only clients available now for sampling (random selection among all clients otherwise).
+    memory_aware : bool (default: False)
+        Offer only clients whose memory holds training (``training_memory_bytes``); the others are
+        candidates for split training, never sampled for full training.
+    training_memory_bytes : float (default: 0.0)
+        What training the model needs on a device, bytes (see ``fedge.devices.budget``).
+    """
+
+    deadline_s: float | None = None
+    adaptive_deadline: bool = False
+    deadline_quantile: float = 0.8
+    deadline_slack: float = 1.5
+    over_select: float = 1.0
+    availability_aware: bool = False
+    memory_aware: bool = False
+    training_memory_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        if self.deadline_s is not None and self.deadline_s <= 0:
+            raise ConfigError(f"deadline_s must be > 0, got {self.deadline_s}")
+        if not 0 < self.deadline_quantile <= 1 or self.deadline_slack < 1:
+            raise ConfigError("deadline_quantile must be in (0, 1] and deadline_slack >= 1")
+        if self.over_select < 1:
+            raise ConfigError(f"over_select must be >= 1, got {self.over_select}")
+
+
+@dataclass
+class _Round:
+    """The clock's account of one round, taken by the metering Grid."""
+
+    sim_time_s: float = 0.0
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ClockGrid(RunGrid):
+    """``inner``'s nodes as a heterogeneous fleet on a simulated clock.
+
+    Parameters
+    ----------
+    inner : Grid
+        The engine's Grid (fedge's local Grid reports wire sizes; others' messages are serialized here).
+    profiles : sequence of ClientProfile
+        Client ``i``'s device and link (``i`` = its partition id).
+    client_of : mapping of int to int
+        Flower node id to client index.
+    train_flops : callable(instruction, reply) -> float
+        FLOPs of the training the reply reports.
+    model_bytes : int
+        Dense fp32 bytes of the model (what the codec reads and writes).
+    schedule : Schedule (default: Schedule())
+        Deadline, over-selection, availability- and memory-aware sampling.
+    trace : AvailabilityTrace or None (default: None)
+        When each client is available; None: always.
+    seed : int (default: 0)
+        Seeds the disconnect draws (with the round and client).
+    """
+
+    def __init__(
+        self,
+        inner: Grid,
+        profiles: Sequence[ClientProfile],
+        client_of: Mapping[int, int],
+        train_flops: TrainFlops,
+        model_bytes: int,
+        schedule: Schedule | None = None,
+        trace: AvailabilityTrace | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self._inner, self._profiles, self._client_of = inner, list(profiles), dict(client_of)
+        self._train_flops, self._model_bytes = train_flops, model_bytes
+        self.schedule, self._trace, self._seed = schedule or Schedule(), trace, seed
+        self.now_s = 0.0
+        self._round = 0
+        self._delays: list[float] = []  # arrival delays of recent accepted replies, for the adaptive deadline
+        self._report = _Round()
+        self._sizes: dict[str, list[int]] = {}  # instruction id -> [down bytes, up bytes]
+        if isinstance(inner, RunGrid):
+            inner.on_wire = self._on_inner_wire
+        self._reports_bytes = isinstance(inner, RunGrid)
+
+    # -- Grid ------------------------------------------------------------------------------------------
+
+    def set_run(self, run: Run) -> None:
+        self._inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._inner.run
+
+    def get_node_ids(self) -> Iterable[int]:
+        nodes = [n for n in self._inner.get_node_ids() if self._fits(n)]
+        if self.schedule.availability_aware and self._trace is not None:
+            available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
+            if not available and nodes:  # nobody is there now: the coordinator waits for the first
+                self.now_s = min(self._trace.next_available(self._client_of[n], self.now_s) for n in nodes)
+                available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
+            nodes = available
+        return nodes
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._inner.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        messages = list(messages)
+        replies = list(self._inner.send_and_receive(messages, timeout=timeout))
+        try:
+            if not messages or messages[0].metadata.message_type != MessageType.TRAIN:
+                return replies
+            return self._schedule_round(messages, replies)
+        finally:
+            self._sizes.clear()
+
+    def take_round(self) -> dict[str, Any]:
+        """The last round's simulated time and timeline (for the round's metrics), then reset."""
+        report, self._report = self._report, _Round()
+        return {"sim_time_s": report.sim_time_s, "sim_clock_s": self.now_s, "timeline": report.timeline}
+
+    # -- the clock -------------------------------------------------------------------------------------
+
+    def _schedule_round(self, messages: list[Message], replies: list[Message]) -> list[Message]:
+        self._round += 1
+        start = self.now_s
+        by_id = {m.metadata.message_id: m for m in messages}
+        timings: dict[int, ClientTiming] = {}
+        answered: dict[int, Message] = {}
+        failed: list[Message] = []
+        for reply in replies:
+            instruction = by_id.get(reply.metadata.reply_to_message_id)
+            if instruction is None:
+                continue
+            if reply.has_error():
+                failed.append(reply)  # the runner reports failures; they never arrive as updates
+                continue
+            node = instruction.metadata.dst_node_id
+            client = self._client_of[node]
+            down, up = self._message_sizes(instruction, reply)
+            away = self._trace.available_until(client, start) if self._trace is not None else math.inf
+            timings[node] = time_client(
+                self._profiles[client],
+                start_s=start,
+                download_bytes=down,
+                train_flops=self._train_flops(instruction, reply),
+                upload_bytes=up,
+                model_bytes=self._model_bytes,
+                away_s=away,
+                seed=(self._seed, self._round, client),
+            )
+            answered[node] = reply
+        keep = None
+        if self.schedule.over_select > 1:
+            keep = max(1, math.ceil(len(messages) / self.schedule.over_select))
+        outcome = select_replies(timings, round_start_s=start, deadline_s=self._deadline(), keep=keep)
+        self.now_s = max(outcome.end_s, start)
+        self._delays = ([timings[n].arrival_s - start for n in outcome.accepted] + self._delays)[:200]
+        status = {n: "accepted" for n in outcome.accepted}
+        status.update({n: "late" for n in outcome.late})
+        status.update({n: "cut_off" for n in outcome.cut_off})
+        self._report = _Round(self.now_s - start, [_row(self._client_of[n], self._profiles, t, status[n])
+                                                   for n, t in timings.items()])  # fmt: skip
+        for reply in failed:
+            client = self._client_of.get(reply.metadata.src_node_id, -1)
+            self._report.timeline.append({"client": client, "status": "error"})
+        return [answered[n] for n in outcome.accepted] + failed
+
+    def _deadline(self) -> float | None:
+        schedule = self.schedule
+        if not schedule.adaptive_deadline or not self._delays:
+            return schedule.deadline_s
+        return schedule.deadline_slack * float(np.quantile(self._delays, schedule.deadline_quantile))
+
+    def _fits(self, node: int) -> bool:
+        if not self.schedule.memory_aware:
+            return True
+        memory = self._profiles[self._client_of[node]].compute.memory_bytes
+        return memory >= self.schedule.training_memory_bytes
+
+    def _on_inner_wire(self, message: Message, nbytes: int) -> None:
+        """Sizes as the inner Grid serialized them (instructions down, replies up); passed on for metering."""
+        reply_to = message.metadata.reply_to_message_id
+        sizes = self._sizes.setdefault(reply_to or message.metadata.message_id, [0, 0])
+        sizes[1 if reply_to else 0] = nbytes
+        if self.on_wire is not None:
+            self.on_wire(message, nbytes)
+
+    def _message_sizes(self, instruction: Message, reply: Message) -> tuple[int, int]:
+        if self._reports_bytes:
+            down, up = self._sizes.get(instruction.metadata.message_id, [0, 0])
+            return down, up
+        return len(message_to_bytes(instruction)), len(message_to_bytes(reply))
+
+
+def _row(client: int, profiles: Sequence[ClientProfile], timing: ClientTiming, status: str) -> dict[str, Any]:
+    """One client's line of the round's timeline (what the timeline plot draws)."""
+    return {
+        "client": client,
+        "device": profiles[client].name,
+        "status": status,
+        "start_s": round(timing.start_s, 6),
+        "download_s": round(timing.download_s, 6),
+        "compute_s": round(timing.compute_s + timing.decode_s + timing.encode_s, 6),
+        "upload_s": round(timing.upload_s, 6),
+        "arrival_s": round(timing.arrival_s, 6),
+        "away_s": timing.away_s if math.isfinite(timing.away_s) else None,
+        "resent_bytes": timing.resent_bytes,
+    }

@@ -1,0 +1,47 @@
+"""A heterogeneous fleet on the simulated clock: reproducible, deadlines hold, memory-aware sampling."""
+
+from __future__ import annotations
+
+from fedge.app.config import AppConfig
+from fedge.devices.fleet import FleetConfig
+from fedge.simulation.clock_grid import Schedule
+from fedge.simulation.config import SimulationConfig
+from fedge.simulation.engines import run_simulation
+
+FLEET = FleetConfig(mix={"pi4_wifi": 0.5, "nbiot_gateway": 0.5}, seed=1)
+
+
+def _run(schedule: Schedule, availability: str = "", rounds: int = 3, seed: int = 0):
+    app = AppConfig(rounds=rounds, local_epochs=1, seed=seed, fraction_train=0.5)
+    config = SimulationConfig(
+        clients=8, workers=1, app=app, fleet=FLEET, availability=availability, schedule=schedule
+    )
+    return run_simulation(config)
+
+
+def test_identical_seeds_give_identical_simulated_times():
+    first = _run(Schedule(availability_aware=True), availability="random")
+    second = _run(Schedule(availability_aware=True), availability="random")
+    times = [(r.extra["sim_time_s"], r.extra["sim_clock_s"], r.accuracy) for r in first.rounds]
+    assert times == [(r.extra["sim_time_s"], r.extra["sim_clock_s"], r.accuracy) for r in second.rounds]
+    assert all(r.timeline for r in first.rounds) and first.rounds[-1].extra["sim_clock_s"] > 0
+
+
+def test_a_slow_client_delays_its_round_by_no_more_than_the_deadline():
+    """NB-IoT clients need minutes for a dense model; with a 20 s deadline they are dropped as late."""
+    waiting = _run(Schedule())
+    bounded = _run(Schedule(deadline_s=20.0))
+    assert max(r.extra["sim_time_s"] for r in waiting.rounds) > 100  # someone on NB-IoT was waited for
+    assert all(r.extra["sim_time_s"] <= 20.0 + 1e-9 for r in bounded.rounds)
+    late = [t for r in bounded.rounds for t in r.timeline if t["status"] == "late"]
+    assert late and all(t["device"] == "nbiot_gateway" for t in late)
+    assert all(
+        r.clients_replied == sum(t["status"] == "accepted" for t in r.timeline) for r in bounded.rounds
+    )
+
+
+def test_a_client_whose_memory_cannot_hold_training_is_never_sampled():
+    """Gateways (160 MB usable here) cannot hold a model needing 1 GB: they are never offered for training."""
+    rounds = _run(Schedule(memory_aware=True, training_memory_bytes=1e9), rounds=3).rounds
+    devices = {t["device"] for r in rounds for t in r.timeline}
+    assert devices == {"pi4_wifi"}
