@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.atomic import write_json_atomic
-from fedge.reporting.plots import plot_accuracy, plot_accuracy_vs_upload
+from fedge.reporting.plots import plot_accuracy, plot_accuracy_vs_time, plot_accuracy_vs_upload, plot_timeline
 
 __all__ = ["RoundListener", "RoundMetrics", "RunHistory", "write_run_outputs"]
 
@@ -98,10 +98,14 @@ RoundListener = Callable[[RoundMetrics], None]
 
 
 def write_run_outputs(history: RunHistory, out_dir: str | Path) -> None:
-    """``metrics.json`` and the two PNG plots (accuracy per round, accuracy per uploaded MB)."""
+    """``metrics.json`` and PNG plots: accuracy per round and per uploaded MB, and with a simulated clock
+    accuracy per simulated hour and the last rounds' timeline."""
     out_dir = Path(out_dir)
     path = history.write(out_dir)
     rounds = history.to_json()["rounds"]
     plot_accuracy(rounds, out_dir / "accuracy.png")
     plot_accuracy_vs_upload({"fedge": rounds}, out_dir / "accuracy_vs_upload.png")
+    if any("sim_clock_s" in r for r in rounds):
+        plot_accuracy_vs_time({"fedge": rounds}, out_dir / "accuracy_vs_time.png")
+        plot_timeline(rounds, out_dir / "timeline.png")
     log.info("wrote %s and plots to %s", path.name, out_dir)

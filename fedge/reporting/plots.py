@@ -11,7 +11,9 @@ import matplotlib
 matplotlib.use("Agg")  # no display on devices or CI
 import matplotlib.pyplot as plt
 
-__all__ = ["plot_accuracy", "plot_accuracy_vs_upload"]
+__all__ = ["plot_accuracy", "plot_accuracy_vs_time", "plot_accuracy_vs_upload", "plot_timeline"]
+
+_STATUS_COLOURS = {"accepted": "tab:green", "late": "tab:orange", "cut_off": "tab:red"}
 
 
 def plot_accuracy(rounds: Sequence[Mapping[str, Any]], path: Path, title: str = "Test accuracy") -> Path:
@@ -40,6 +42,50 @@ def plot_accuracy_vs_upload(
     ax.grid(alpha=0.3)
     if len(runs) > 1:
         ax.legend()
+    return _save(fig, path)
+
+
+def plot_accuracy_vs_time(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, *, log_x: bool = False
+) -> Path:
+    """Accuracy vs simulated time (``sim_clock_s`` of each round, in hours), one line per named run."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rounds in runs.items():
+        hours = [r.get("sim_clock_s", 0.0) / 3600 for r in rounds]
+        ax.plot(hours, [100 * r["accuracy"] for r in rounds], marker="o", markersize=3, label=label)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set(xlabel="simulated time (h)", ylabel="accuracy (%)", title="Accuracy vs simulated time")
+    ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        ax.legend()
+    return _save(fig, path)
+
+
+def plot_timeline(rounds: Sequence[Mapping[str, Any]], path: Path, *, last: int = 5) -> Path:
+    """The last rounds' timelines: per client a bar from instruction to arrival (green: aggregated,
+    orange: late, red: cut off, where the client went away), one band of rows per round."""
+    shown = [r for r in rounds if r.get("timeline")][-last:]
+    rows = sum(len(r["timeline"]) for r in shown)
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.18 * rows + 1)))
+    y, ticks, labels = 0, [], []
+    for r in shown:
+        for entry in sorted(r["timeline"], key=lambda e: e.get("arrival_s", 0.0)):
+            if "start_s" not in entry:
+                continue
+            end = entry["arrival_s"]
+            if entry["status"] == "cut_off" and entry.get("away_s") is not None:
+                end = entry["away_s"]
+            colour = _STATUS_COLOURS.get(entry["status"], "grey")
+            ax.barh(y, max(end - entry["start_s"], 1e-3), left=entry["start_s"], color=colour, height=0.8)
+            ticks.append(y)
+            labels.append(f"r{r['round']} c{entry['client']} {entry.get('device', '')}")
+            y += 1
+        y += 1
+    ax.set_yticks(ticks, labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set(xlabel="simulated time (s)", title="Who trained, who was cut off, when each reply arrived")
+    ax.grid(alpha=0.3, axis="x")
     return _save(fig, path)
 
 
