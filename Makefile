@@ -18,7 +18,7 @@ $(BIN)/python:
 # amqtt (the embedded broker) pins typer==0.15.4 for its own scripts; Flower's CLI needs typer>=0.19.
 # amqtt goes in without its dependencies (the `broker` extra lists the rest) and pip check may report only that.
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/pip install -q -c constraints.txt -e '.[simulation,broker,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[simulation,broker,onnx,dev]'
 	$(BIN)/pip install -q --no-deps amqtt==$(AMQTT_VERSION)
 	$(BIN)/pip check | grep -v "^amqtt $(AMQTT_VERSION) .*typer" | grep . && exit 1 || true
 	touch $(STAMP)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from fedge.cli.common import fail
+from fedge.cli.predict import predict
 from fedge.cli.run import bench, simulate
 from fedge.cli.service import agent, coordinator, status
 from fedge.cli.tools import broker_command, netem_command
@@ -34,6 +35,7 @@ app.command()(coordinator)
 app.command()(agent)
 app.command()(status)
 app.command()(bench)
+app.command()(predict)
 app.command("broker")(broker_command)
 app.command("netem")(netem_command)
 

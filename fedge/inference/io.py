@@ -1,0 +1,71 @@
+"""Reading request inputs from files and writing predictions: what ``fedge predict`` needs, torch-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedge.atomic import write_bytes_atomic
+
+__all__ = ["InputError", "fit_to_shape", "read_inputs", "write_predictions"]
+
+
+class InputError(ValueError):
+    """An input file that cannot be read, or whose rows do not fit the model's input."""
+
+
+def read_inputs(path: str | Path) -> np.ndarray:
+    """Rows of ``float32`` inputs from ``.npy`` (any shape, batch first) or ``.csv`` (one row per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"input file {path} does not exist")
+    try:
+        if path.suffix == ".npy":
+            data = np.load(path, allow_pickle=False)
+        elif path.suffix in (".csv", ".txt"):
+            data = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+        else:
+            raise InputError(f"input file {path} must be .npy or .csv")
+    except (OSError, ValueError) as err:
+        if isinstance(err, InputError):
+            raise
+        raise InputError(f"cannot read {path}: {err}") from None
+    if data.ndim == 0 or not np.issubdtype(data.dtype, np.number):
+        raise InputError(f"{path} holds {data.dtype} of shape {data.shape}, not numeric rows")
+    return data.astype(np.float32, copy=False)
+
+
+def fit_to_shape(rows: np.ndarray, shape: list[int | str | None]) -> np.ndarray:
+    """Reshape flat rows (a CSV's) to the model's input shape, batch axis first.
+
+    A CSV row of 64 values feeds a ``(batch, 1, 8, 8)`` input; a row whose size does not match is an
+    :class:`InputError` naming both sizes.
+    """
+    fixed = [d for d in shape[1:]]
+    if any(not isinstance(d, int) for d in fixed):
+        return rows  # dynamic non-batch axes: feed as given
+    want = int(np.prod(fixed)) if fixed else 1
+    per_row = int(np.prod(rows.shape[1:])) if rows.ndim > 1 else 1
+    if per_row != want:
+        raise InputError(
+            f"each input row has {per_row} values but the model takes {want} (shape {shape[1:]})"
+        )
+    return rows.reshape(len(rows), *fixed)
+
+
+def write_predictions(path: str | Path, predictions: np.ndarray, scores: np.ndarray | None = None) -> Path:
+    """Write predictions as ``.npy`` (class per row) or ``.csv`` (``row,prediction[,score]`` lines)."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        import io
+
+        buffer = io.BytesIO()
+        np.save(buffer, predictions)
+        write_bytes_atomic(path, buffer.getvalue())
+        return path
+    lines = ["row,prediction" + (",score" if scores is not None else "")]
+    for i, label in enumerate(predictions):
+        lines.append(f"{i},{label}" + (f",{scores[i]:.6g}" if scores is not None else ""))
+    write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
+    return path

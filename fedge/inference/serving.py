@@ -1,0 +1,238 @@
+"""The serving core: one live ONNX Runtime session, latency percentiles, hot swap with rollback.
+
+A front end (the ``fedge predict`` command, an MQTT request handler in the device agent) calls
+:meth:`ModelServer.predict` from any thread and :meth:`ModelServer.swap` when a new model arrives. ORT cannot
+replace the weights of a live session (pykeio/ort #242), so a swap builds and warms a *new* session beside
+the old one, checks it, and replaces one reference. ``predict`` reads that reference once, so a request in
+flight finishes on the session it started on; requests take no lock a swap holds. (They still share the GIL
+with the swapping thread: ORT holds it for parts of session construction, which is the residual pause.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from fedge.inference.manifest import Manifest, ModelCheckError, read_manifest, sha256_bytes
+from fedge.inference.session import SessionConfig, check_model_bytes, make_session, output_is_finite
+
+__all__ = ["Canary", "LatencyStats", "LoadedModel", "ModelServer", "SwapResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A device-side check a new model must pass before it serves.
+
+    Attributes
+    ----------
+    inputs : ndarray
+        A few inputs the device keeps (e.g. the last requests, or a labelled canary set).
+    labels : ndarray or None
+        Their labels; with them the new model's accuracy must be at least ``min_accuracy``.
+    min_accuracy : float
+        The accuracy bound (fraction in [0, 1]).
+    """
+
+    inputs: np.ndarray
+    labels: np.ndarray | None = None
+    min_accuracy: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A session with what it was built from: the unit the server swaps."""
+
+    session: ort.InferenceSession
+    version: str
+    manifest: Manifest | None
+    input_name: str
+    loaded_at: float
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """What a swap did: ``ok`` with the new version, or why the old model stays (``reason``, ``message``)."""
+
+    ok: bool
+    version: str
+    previous_version: str | None
+    reason: str = ""
+    message: str = ""
+    build_s: float = 0.0
+    canary_accuracy: float | None = None
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Latency percentiles (milliseconds) over the server's recent requests."""
+
+    count: int
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    version: str
+    swaps: int = 0
+    failed_swaps: dict[str, int] = field(default_factory=dict)
+
+
+class ModelServer:
+    """Serve one ONNX model from any number of threads; swap it without stopping.
+
+    Parameters
+    ----------
+    config : SessionConfig, optional
+        Session options for every session this server builds.
+    warmup_runs : int
+        Runs on a new session before it serves (the first runs allocate buffers and are slow).
+    window : int
+        How many recent request latencies the percentiles cover.
+    """
+
+    def __init__(
+        self, config: SessionConfig | None = None, *, warmup_runs: int = 3, window: int = 10_000
+    ) -> None:
+        self.config = config or SessionConfig()
+        self.warmup_runs = warmup_runs
+        self._current: LoadedModel | None = None
+        self._latencies: deque[float] = deque(maxlen=window)  # append/iterate are atomic enough for stats
+        self._swap_lock = threading.Lock()  # swaps are serialised with each other, never with requests
+        self.swaps = 0
+        self.failed_swaps: dict[str, int] = {}
+
+    # -- serving ---------------------------------------------------------------------------------------
+    @property
+    def current(self) -> LoadedModel:
+        """The model serving now; :class:`RuntimeError` before the first successful load."""
+        model = self._current
+        if model is None:
+            raise RuntimeError("no model loaded: call load() or swap() first")
+        return model
+
+    @property
+    def version(self) -> str:
+        """The version of the model serving now."""
+        return self.current.version
+
+    def predict(self, inputs: np.ndarray) -> np.ndarray:
+        """Run the current model on a batch and return its first output (e.g. logits)."""
+        model = self._current  # read once: a concurrent swap does not affect this request
+        if model is None:
+            raise RuntimeError("no model loaded: call load() or swap() first")
+        start = time.perf_counter()
+        out = model.session.run(None, {model.input_name: np.ascontiguousarray(inputs, dtype=np.float32)})[0]
+        self._latencies.append(time.perf_counter() - start)
+        return out
+
+    def classify(self, inputs: np.ndarray) -> np.ndarray:
+        """Predicted class per row (argmax of the first output)."""
+        return self.predict(inputs).argmax(axis=1)
+
+    def stats(self) -> LatencyStats:
+        """p50/p95/p99 of the recent requests, with the serving version and swap counters."""
+        values = np.asarray(list(self._latencies)) * 1e3
+        version = self._current.version if self._current else ""
+        if values.size == 0:
+            return LatencyStats(0, 0.0, 0.0, 0.0, version, self.swaps, dict(self.failed_swaps))
+        p50, p95, p99 = np.percentile(values, [50, 95, 99])
+        return LatencyStats(
+            int(values.size), float(p50), float(p95), float(p99), version, self.swaps, dict(self.failed_swaps)
+        )
+
+    def reset_stats(self) -> None:
+        """Forget recorded latencies (e.g. after warm-up)."""
+        self._latencies.clear()
+
+    # -- loading and swapping ---------------------------------------------------------------------------
+    def load(
+        self, path: str | Path, *, version: str | None = None, canary: Canary | None = None
+    ) -> SwapResult:
+        """Load a model file (with its manifest when one lies beside it); same as :meth:`swap`."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+            manifest = read_manifest(path)
+        except (OSError, ValueError) as err:
+            return self._refuse("load", f"{path}: {err}", 0.0, None)
+        return self.swap(
+            data, manifest, version=version or (manifest.version if manifest else path.stem), canary=canary
+        )
+
+    def swap(
+        self,
+        data: bytes,
+        manifest: Manifest | None,
+        *,
+        version: str | None = None,
+        canary: Canary | None = None,
+    ) -> SwapResult:
+        """Build, check and warm a session for ``data`` beside the current one, then switch to it.
+
+        Any failure (checksum, opset, load, non-finite canary outputs, canary accuracy below its bound)
+        keeps the current model and is reported in the result (and counted in :attr:`failed_swaps`); this
+        method does not raise for a bad model.
+        """
+        with self._swap_lock:
+            start = time.perf_counter()
+            version = version or (manifest.version if manifest else sha256_bytes(data)[:12])
+            try:
+                check_model_bytes(data, manifest)
+                try:
+                    session = make_session(data, self.config)
+                except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
+                    raise ModelCheckError("load", f"{type(err).__name__}: {err}") from err
+                input_name = session.get_inputs()[0].name
+                accuracy = self._check_canary(session, input_name, canary)
+            except ModelCheckError as err:
+                return self._refuse(err.reason, str(err), time.perf_counter() - start, version)
+            new = LoadedModel(session, version, manifest, input_name, time.time())
+            previous = self._current
+            self._current = new  # the swap itself: one reference assignment
+            self.swaps += 1
+            build_s = time.perf_counter() - start
+            log.info(
+                "serving model %s (was %s), built in %.3f s", version, previous and previous.version, build_s
+            )
+            return SwapResult(
+                True, version, previous and previous.version, build_s=build_s, canary_accuracy=accuracy
+            )
+
+    def _check_canary(
+        self, session: ort.InferenceSession, input_name: str, canary: Canary | None
+    ) -> float | None:
+        """Warm the new session (on the canary when there is one) and judge its outputs."""
+        if canary is None:
+            shape = [d if isinstance(d, int) else 1 for d in session.get_inputs()[0].shape]
+            sample = np.zeros(shape, dtype=np.float32)
+        else:
+            sample = np.ascontiguousarray(canary.inputs, dtype=np.float32)
+        try:
+            outputs: list[np.ndarray] = []
+            for _ in range(max(1, self.warmup_runs)):
+                outputs = session.run(None, {input_name: sample})
+        except Exception as err:
+            raise ModelCheckError("canary", f"inference failed: {type(err).__name__}: {err}") from err
+        if not output_is_finite(outputs):
+            raise ModelCheckError("canary", "outputs are not finite (NaN or inf)")
+        if canary is None or canary.labels is None:
+            return None
+        accuracy = float((outputs[0].argmax(axis=1) == canary.labels).mean())
+        if accuracy < canary.min_accuracy:
+            raise ModelCheckError(
+                "canary", f"canary accuracy {accuracy:.3f} is below the bound {canary.min_accuracy:.3f}"
+            )
+        return accuracy
+
+    def _refuse(self, reason: str, message: str, build_s: float, version: str | None) -> SwapResult:
+        self.failed_swaps[reason] = self.failed_swaps.get(reason, 0) + 1
+        previous = self._current.version if self._current else None
+        log.warning("model %s refused (%s); still serving %s", version, message, previous)
+        return SwapResult(False, previous or "", previous, reason=reason, message=message, build_s=build_s)

@@ -1,0 +1,99 @@
+"""Export: one self-contained file, opset pinned, dynamic batch, verified against torch, manifest complete."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from fedge.inference import make_session, manifest_path, read_manifest, sha256_file
+from fedge.server.export import ExportConfig, ExportError, export_onnx, verify_onnx
+
+
+def test_export_is_self_contained_verified_and_has_manifest(cnn, digits_test, tmp_path):
+    path = tmp_path / "model.onnx"
+    manifest = export_onnx(
+        cnn,
+        digits_test[0][:1],
+        path,
+        version="r7",
+        round=7,
+        held_out=digits_test[0][:8],
+        labelled=digits_test,
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.json"]  # no .onnx.data
+    model = onnx.load(str(path))
+    assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    assert manifest.opset == ExportConfig().opset == 18
+    assert manifest.sha256 == sha256_file(path)
+    assert manifest.inputs[0].name == "input" and manifest.inputs[0].shape[1:] == (1, 8, 8)
+    assert not isinstance(manifest.inputs[0].shape[0], int)  # dynamic batch, though exported from batch 1
+    assert manifest.extra["max_abs_diff"] <= 1e-4
+    assert manifest.accuracy is not None and manifest.accuracy > 0.8
+    assert read_manifest(path) == manifest
+    assert json.loads(manifest_path(path).read_text())["round"] == 7
+    session = make_session(path)
+    for batch in (1, 3, 8, 33):
+        rows = np.resize(digits_test[0], (batch, 1, 8, 8))
+        got = session.run(None, {"input": rows})[0]
+        with torch.no_grad():
+            assert np.abs(got - cnn(torch.from_numpy(rows)).numpy()).max() <= 1e-4
+
+
+class _Batch1Only(nn.Module):
+    """A model whose output depends on the batch size in a way the exported graph cannot follow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Traced with batch 2, ``x.shape[0]`` becomes the constant 2: wrong at batch 1 and 8.
+        return self.linear(x) * float(x.shape[0])
+
+
+def test_export_that_disagrees_with_torch_raises_and_writes_nothing(tmp_path):
+    path = tmp_path / "bad.onnx"
+    with pytest.raises(ExportError, match="verify") as info:
+        export_onnx(_Batch1Only().eval(), np.ones((2, 4), np.float32), path)
+    assert info.value.stage == "verify"
+    assert not path.exists() and not manifest_path(path).exists()
+
+
+class _Unexportable(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.fft.fft(x.numpy()).real.astype(np.float32))  # leaves the graph
+
+
+def test_export_failure_is_an_export_error(tmp_path):
+    with pytest.raises(ExportError) as info:
+        export_onnx(_Unexportable(), np.ones((2, 4), np.float32), tmp_path / "x.onnx")
+    assert info.value.stage in ("export", "verify")
+
+
+def test_verify_tolerance_is_enforced(cnn, digits_test, tmp_path):
+    path = tmp_path / "model.onnx"
+    export_onnx(cnn, digits_test[0][:2], path)
+    with torch.no_grad():
+        cnn.classifier[-1].bias += 1e-2  # the torch model moves on; the file no longer matches it
+    try:
+        with pytest.raises(ExportError, match="max abs diff"):
+            verify_onnx(cnn, path.read_bytes(), digits_test[0][:8])
+    finally:
+        with torch.no_grad():
+            cnn.classifier[-1].bias -= 1e-2
+
+
+def test_variants_have_manifests_and_int8_is_smaller_and_accurate(variants):
+    fp32 = variants["fp32"][1]
+    for name, (path, manifest) in variants.items():
+        assert manifest.variant == name and manifest.sha256 == sha256_file(path)
+        assert manifest.round == 3 and manifest.version == "r3"
+        assert read_manifest(path) == manifest
+    static = variants["int8-static"][1]
+    assert fp32.size_bytes / static.size_bytes > 3
+    assert 100 * (fp32.accuracy - static.accuracy) <= 1.0
+    ops = {node.op_type for node in onnx.load(str(variants["int8-static"][0])).graph.node}
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops  # QDQ format

@@ -1,0 +1,62 @@
+"""``fedge predict``: npy and csv inputs, --out, and bad input that ends in one line."""
+
+import json
+
+import numpy as np
+import typer
+from typer.testing import CliRunner
+
+from fedge.cli.predict import predict
+
+app = typer.Typer()
+app.command()(predict)
+app.command("other")(lambda: None)  # two commands, so typer keeps "predict" as a subcommand name
+runner = CliRunner()
+
+
+def test_predict_npy_prints_and_writes(variants, digits_test, tmp_path):
+    inputs = tmp_path / "x.npy"
+    np.save(inputs, digits_test[0][:20])
+    out = tmp_path / "pred.csv"
+    result = runner.invoke(
+        app, ["predict", "--model", str(variants["fp32"][0]), "--input", str(inputs), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    lines = out.read_text().splitlines()
+    assert lines[0] == "row,prediction,score" and len(lines) == 21
+    predicted = np.array([int(line.split(",")[1]) for line in lines[1:]])
+    assert (predicted == digits_test[1][:20]).mean() > 0.8
+    assert "0\t" in result.stdout and "p99" in result.output and "model r3" in result.output
+
+
+def test_predict_csv_rows_are_reshaped_and_json(variants, digits_test, tmp_path):
+    inputs = tmp_path / "x.csv"
+    np.savetxt(inputs, digits_test[0][:5].reshape(5, 64), delimiter=",")
+    args = [
+        "predict",
+        "--model",
+        str(variants["int8-static"][0]),
+        "--input",
+        str(inputs),
+        "--json",
+        "--threads",
+        "1",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["rows"] == 5 and len(report["predictions"]) == 5 and report["version"] == "r3"
+    assert report["p50_ms"] > 0 and report["threads"] == 1
+
+
+def test_bad_inputs_end_in_one_line(variants, tmp_path):
+    wrong = tmp_path / "wrong.csv"
+    wrong.write_text("1,2,3\n")
+    cases = [
+        (["--model", str(tmp_path / "missing.onnx"), "--input", str(wrong)], "does not exist"),
+        (["--model", str(variants["fp32"][0]), "--input", str(wrong)], "3 values but the model takes 64"),
+        (["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "nope.npy")], "does not exist"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, ["predict", *args])
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

@@ -1,0 +1,131 @@
+"""The serving core: predictions, latency percentiles, hot swap under load, rollback on every failure kind."""
+
+import threading
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from fedge.inference import Canary, ModelServer, SessionConfig, read_manifest, sha256_bytes
+
+
+def _model_bytes(path):
+    return path.read_bytes(), read_manifest(path)
+
+
+def _nan_model() -> bytes:
+    """A valid model whose outputs on zeros are -inf (log 0): loads fine, fails the canary."""
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 8, 8])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 64])
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["input"], ["flat"]), helper.make_node("Log", ["flat"], ["logits"])],
+        "nan",
+        [x],
+        [y],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def test_predict_reports_version_and_percentiles(variants, digits_test):
+    server = ModelServer(SessionConfig(intra_op_threads=1))
+    result = server.load(variants["fp32"][0])
+    assert result.ok and server.version == "r3"
+    server.reset_stats()
+    predictions = np.concatenate([server.classify(digits_test[0][i : i + 16]) for i in range(0, 160, 16)])
+    assert (predictions == digits_test[1][:160]).mean() > 0.8
+    stats = server.stats()
+    assert stats.count == 10 and stats.version == "r3"
+    assert 0 < stats.p50_ms <= stats.p95_ms <= stats.p99_ms
+
+
+def test_session_options_for_small_devices():
+    options = SessionConfig(intra_op_threads=0, memory_arena=False).options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert options.intra_op_num_threads >= 1 and not options.enable_cpu_mem_arena
+    with pytest.raises(ValueError):
+        SessionConfig(intra_op_threads=-1)
+
+
+def test_hot_swap_under_concurrent_requests_loses_nothing(variants, digits_test):
+    server = ModelServer()
+    assert server.load(variants["fp32"][0]).ok
+    models = [_model_bytes(variants[v][0]) for v in ("int8-static", "fp32")]
+    errors, versions, stop = [], set(), threading.Event()
+    served = threading.Semaphore(0)
+    rows = digits_test[0][:4]
+
+    def client():
+        while not stop.is_set():
+            try:
+                assert server.predict(rows).shape == (4, 10)
+                versions.add(server.version)
+            except Exception as err:  # any failure is a lost request
+                errors.append(err)
+            served.release()
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for i in range(10):
+        for _ in range(5):  # requests are flowing between swaps
+            served.acquire()
+        result = server.swap(*models[i % 2], version=f"v{i}")
+        assert result.ok and result.previous_version == ("r3" if i == 0 else f"v{i - 1}")
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and server.version == "v9" and server.swaps == 11
+    assert len(versions) > 2  # requests really ran on several generations
+
+
+def test_in_flight_request_finishes_on_the_old_session(variants, digits_test):
+    server = ModelServer()
+    server.load(variants["fp32"][0])
+    old = server.current  # what a request in flight holds
+    assert server.swap(*_model_bytes(variants["int8-static"][0])).ok
+    assert server.current is not old
+    assert old.session.run(None, {old.input_name: digits_test[0][:2]})[0].shape == (2, 10)  # still usable
+
+
+@pytest.mark.parametrize("failure", ["checksum", "opset", "load", "canary-nonfinite", "canary-accuracy"])
+def test_bad_model_keeps_the_old_one_and_says_why(variants, digits_test, failure):
+    server = ModelServer()
+    server.load(variants["fp32"][0])
+    data, manifest = _model_bytes(variants["int8-static"][0])
+    canary = None
+    if failure == "checksum":
+        data = data[:-10] + b"0123456789"
+    elif failure == "opset":
+        manifest = manifest.with_(opset=99)
+    elif failure == "load":
+        data = b"not an onnx model" * 10
+        manifest = manifest.with_(sha256=sha256_bytes(data))
+    elif failure == "canary-nonfinite":
+        data = _nan_model()
+        manifest = manifest.with_(sha256=sha256_bytes(data))
+        canary = Canary(np.zeros((4, 1, 8, 8), np.float32))
+    else:
+        wrong = (digits_test[1][:64] + 1) % 10  # labels the model must get wrong
+        canary = Canary(digits_test[0][:64], wrong, min_accuracy=0.5)
+    result = server.swap(data, manifest, version="bad", canary=canary)
+    reason = failure.split("-")[0]
+    assert not result.ok and result.reason == reason and result.message
+    assert server.version == "r3" and result.version == "r3"
+    assert server.failed_swaps == {reason: 1}
+    assert server.predict(digits_test[0][:2]).shape == (2, 10)  # still serving
+
+
+def test_good_canary_passes_and_reports_accuracy(variants, digits_test):
+    server = ModelServer()
+    canary = Canary(digits_test[0][:100], digits_test[1][:100], min_accuracy=0.8)
+    result = server.load(variants["int8-static"][0], canary=canary)
+    assert result.ok and result.canary_accuracy >= 0.8
+
+
+def test_predict_before_load_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="no model loaded"):
+        ModelServer().predict(np.zeros((1, 1, 8, 8), np.float32))
+    assert onnx  # onnx is used above only to build the NaN model
