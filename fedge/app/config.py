@@ -69,6 +69,8 @@ class AppConfig:
         Deep Gradient Compression momentum correction of the clients' error feedback, in [0, 1).
     max_norm_ratio : float (default: 5.0)
         Replies whose update norm exceeds this multiple of the round's median are rejected.
+    max_failed_rounds : int (default: 3)
+        Stop the run after this many rounds in a row without one accepted update (0: never stop).
     """
 
     rounds: int = 30
@@ -90,6 +92,7 @@ class AppConfig:
     server_momentum: float = 0.9
     ef_momentum: float = 0.0
     max_norm_ratio: float = 5.0
+    max_failed_rounds: int = 3
 
     # Flower's key for the number of rounds differs from the field name.
     _RUN_CONFIG_KEYS: ClassVar[dict[str, str]] = {"rounds": "num-server-rounds"}
@@ -105,6 +108,7 @@ class AppConfig:
             (self.alpha > 0.0, "alpha must be > 0"),
             (":" in self.task, "task must be 'package.module:TaskClass' or 'path/to/file.py:TaskClass'"),
             (self.min_nodes >= 1, "min_nodes must be >= 1"),
+            (self.max_failed_rounds >= 0, "max_failed_rounds must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -128,6 +128,7 @@ def federated_run(
         seed=config.seed,
         out_dir=config.out_dir,
         min_nodes=config.min_nodes,
+        max_failed_rounds=config.max_failed_rounds,
     )
 
 

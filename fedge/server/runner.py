@@ -197,9 +197,8 @@ class _FailureWatch:
         self.first_error = self.first_error or first_error
         cause = _last_line(first_error) or "no client replied in time"
         log.warning(
-            "round %d: no client update was accepted (%d of %d clients replied with an error); first: %s",
+            "round %d: none of the %d sampled clients' updates was accepted; first: %s",
             metrics.round,
-            metrics.clients_sampled - metrics.clients_replied,
             metrics.clients_sampled,
             cause,
         )
