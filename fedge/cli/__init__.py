@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from fedge.cli.common import fail
+from fedge.cli.partition import partition_app
 from fedge.cli.predict import predict
 from fedge.cli.run import bench, simulate
 from fedge.cli.service import agent, coordinator, status
@@ -36,6 +37,7 @@ app.command()(agent)
 app.command()(status)
 app.command()(bench)
 app.command()(predict)
+app.add_typer(partition_app, name="partition")
 app.command("broker")(broker_command)
 app.command("netem")(netem_command)
 

@@ -1,0 +1,156 @@
+"""``fedge partition plan|export|run``: partition a model over a fleet, export its stages, run them.
+
+``--model MODULE:FACTORY`` names a function (in an importable module or a ``path/to/file.py``) that takes no
+arguments and returns ``(model, example_input)``: a torch ``nn.Module`` and a tensor (or tuple of tensors)
+with the batch first; the batch dimension is made symbolic on export. ``--devices`` is a fleet TOML file
+(see :mod:`fedge.partitioning.fleet`). Register with::
+
+    partition = typer.Typer(help="Partition a model across devices.")
+    partition.command("plan")(partition_plan)
+    partition.command("export")(partition_export)
+    partition.command("run")(partition_run)
+    app.add_typer(partition, name="partition")
+
+(or ``app.add_typer(partition_app, name="partition")``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from fedge.cli.common import config_errors, fail
+
+__all__ = ["partition_app", "partition_export", "partition_plan", "partition_run"]
+
+_MODEL = typer.Option(
+    ..., "--model", help="MODULE:FACTORY or path/to/file.py:FACTORY returning (model, input)."
+)
+_DEVICES = typer.Option(..., "--devices", help="Fleet TOML file ([[device]] tables).")
+_OBJECTIVE = typer.Option(
+    "throughput", "--objective", help="'throughput' (pipeline) or 'latency' (one batch)."
+)
+_BATCH = typer.Option(1, "--batch", help="Examples per batch to plan for.")
+_BOUNDARY = typer.Option("fp32", "--boundary", help="Encoding between stages: fp32, fp16 or int8.")
+_OUT = typer.Option(Path("runs/partition"), "--out", help="Directory for plan.json, plan.png, stages.")
+_CALIBRATE = typer.Option(False, "--calibrate", help="Time ONNX Runtime on this host for node costs.")
+_HOST_FLOPS = typer.Option(1e11, "--host-flops", help="flops_per_s this host stands for (with --calibrate).")
+
+
+def _load_model(spec: str) -> tuple[Any, Any]:
+    from fedge.importing import import_attribute
+
+    factory = import_attribute(spec, "--model")
+    if factory is None or not callable(factory):
+        raise ValueError(f"--model {spec!r} names no callable factory")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise ValueError(f"--model {spec!r} must return (model, example_input)")
+    return made
+
+
+def _planned(
+    model: str, devices: str, objective: str, batch: int, boundary: str, calibrate: bool, host_flops: float
+) -> tuple[Any, Any, Any, Any]:
+    import numpy as np
+
+    from fedge.partitioning import CostModel, load_fleet, plan
+    from fedge.partitioning.calibrate import calibrate as run_calibration
+    from fedge.partitioning.onnx_graph import capture
+
+    fleet = load_fleet(devices)
+    torch_model, example = _load_model(model)
+    onnx_model, graph, feeds = capture(torch_model, example)
+    feeds = {k: np.concatenate([v[:1]] * batch) for k, v in feeds.items()}
+    cal = run_calibration(onnx_model, graph, feeds, host_flops_per_s=host_flops) if calibrate else None
+    cost = CostModel(graph, fleet, batch=batch, boundary=boundary, calibration=cal)
+    result = plan(cost, objective)
+    if not result.feasible:
+        raise ValueError("no partition fits the devices' memory")
+    return onnx_model, graph, feeds, result
+
+
+def partition_plan(
+    model: str = _MODEL,
+    devices: str = _DEVICES,
+    objective: str = _OBJECTIVE,
+    batch: int = _BATCH,
+    boundary: str = _BOUNDARY,
+    out: Path = _OUT,
+    calibrate: bool = _CALIBRATE,
+    host_flops: float = _HOST_FLOPS,
+) -> None:
+    """Plan the partition: print the stage table, write plan.json and plan.png."""
+    from fedge.atomic import write_bytes_atomic
+    from fedge.partitioning.plot import plot_plan
+
+    with config_errors():
+        _, _, _, result = _planned(model, devices, objective, batch, boundary, calibrate, host_flops)
+    typer.echo(result.explain())
+    write_bytes_atomic(out / "plan.json", json.dumps(result.to_json(), indent=1).encode())
+    plot_plan(result, out / "plan.png")
+    typer.echo(f"plan: {out / 'plan.json'}\npicture: {out / 'plan.png'}")
+
+
+def partition_export(
+    model: str = _MODEL,
+    devices: str = _DEVICES,
+    objective: str = _OBJECTIVE,
+    batch: int = _BATCH,
+    boundary: str = _BOUNDARY,
+    out: Path = _OUT,
+    calibrate: bool = _CALIBRATE,
+    host_flops: float = _HOST_FLOPS,
+) -> None:
+    """Plan, then write one ONNX file per stage, manifest.json, the full model and an example input."""
+    import numpy as np
+
+    from fedge.atomic import write_bytes_atomic
+    from fedge.partitioning.plot import plot_plan
+    from fedge.partitioning.stages import export_stages
+
+    with config_errors():
+        onnx_model, graph, feeds, result = _planned(
+            model, devices, objective, batch, boundary, calibrate, host_flops
+        )
+    typer.echo(result.explain())
+    artefacts, written = export_stages(onnx_model, graph, result, out)
+    write_bytes_atomic(out / "model.onnx", onnx_model.SerializeToString())
+    np.savez(out / "example_input.npz", **feeds)
+    plot_plan(result, out / "plan.png")
+    typer.echo(f"{len(artefacts)} stages ({written} written, {len(artefacts) - written} reused) in {out}")
+
+
+def partition_run(
+    out: Path = _OUT,
+    micro_batch: int = typer.Option(0, "--micro-batch", help="Examples per micro-batch (0: whole batch)."),
+    repeat: int = typer.Option(8, "--repeat", help="Copies of the example input batch to push through."),
+) -> None:
+    """Run exported stages locally (pipelined micro-batches) and compare with the full model."""
+    import numpy as np
+
+    from fedge.partitioning.runtime import OrtExecutor
+    from fedge.partitioning.stages import load_runner
+
+    if not (out / "manifest.json").exists():
+        raise fail(f"no manifest.json in {out}: run 'fedge partition export' first")
+    runner = load_runner(out)
+    with np.load(out / "example_input.npz") as data:
+        feeds = {k: np.concatenate([data[k]] * repeat) for k in data.files}
+    outputs = runner.run(feeds, micro_batch or None)
+    full = OrtExecutor(str(out / "model.onnx")).run(feeds)
+    diff = max(float(np.abs(outputs[k] - full[k]).max()) for k in outputs)
+    typer.echo(
+        f"{len(runner.executors)} stages, {len(next(iter(feeds.values())))} examples in "
+        f"{runner.stats.wall_s:.3f} s; "
+        f"max |chained - full| = {diff:.3g}; bytes per link: {runner.stats.link_bytes}"
+    )
+
+
+partition_app = typer.Typer(help="Partition a model across devices.", no_args_is_help=True)
+partition_app.command("plan")(partition_plan)
+partition_app.command("export")(partition_export)
+partition_app.command("run")(partition_run)

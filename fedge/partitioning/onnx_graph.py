@@ -1,0 +1,349 @@
+"""Graph capture through ONNX: export a torch model once, read its nodes, cut it into stage models.
+
+The model is exported once with the TorchScript exporter (``dynamo=False``: the dynamo exporter needs
+onnxscript, which fedge does not install, and its dynamic-shape handling is incomplete in torch 2.13), a
+pinned opset, a symbolic batch dimension on every input and output, and the weights inside the file. ONNX
+stores nodes in a topological order, which becomes the planner's order. Stages are cut from that one graph
+(so chaining them reproduces it exactly): a stage's inputs are the crossing tensors it reads, its outputs the
+crossing tensors it produces; a tensor that only passes through a stage is forwarded by the runner.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+from fedge.partitioning.graph import ModelGraph, Node, Tensor
+
+__all__ = ["OPSET", "capture", "export_onnx", "extract_stage", "graph_from_onnx", "input_names", "stage_io"]
+
+OPSET = 17
+"""The pinned opset of every export."""
+
+_ELEMENTWISE = {
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Relu",
+    "Sigmoid",
+    "Tanh",
+    "Erf",
+    "Sqrt",
+    "Pow",
+    "Neg",
+    "Exp",
+    "Clip",
+    "LeakyRelu",
+    "HardSigmoid",
+    "HardSwish",
+    "Max",
+    "Min",
+    "Where",
+    "Cast",
+    "Gelu",
+}
+_NORM = {
+    "BatchNormalization": 2,
+    "LayerNormalization": 8,
+    "InstanceNormalization": 8,
+    "Softmax": 5,
+    "ReduceMean": 1,
+    "ReduceSum": 1,
+    "GlobalAveragePool": 1,
+}
+
+
+def export_onnx(model: Any, example_inputs: Any, *, opset: int = OPSET) -> onnx.ModelProto:
+    """Export ``model`` (a torch ``nn.Module``, put in eval mode) to one self-contained ONNX model.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model.
+    example_inputs : Tensor or tuple of Tensor
+        Inputs to trace with; dimension 0 of every input and output becomes the symbolic ``batch``.
+    opset : int (default: OPSET)
+        ONNX opset to pin.
+    """
+    import torch  # here: the planner itself must not need torch
+
+    inputs = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
+    model = model.eval()
+    with torch.no_grad():
+        outputs = model(*inputs)
+    n_out = len(outputs) if isinstance(outputs, tuple | list) else 1
+    names_in = [f"input_{k}" for k in range(len(inputs))]
+    names_out = [f"output_{k}" for k in range(n_out)]
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(
+            model,
+            tuple(inputs),
+            buffer,
+            dynamo=False,
+            opset_version=opset,
+            input_names=names_in,
+            output_names=names_out,
+            dynamic_axes={name: {0: "batch"} for name in names_in + names_out},
+            do_constant_folding=True,
+        )
+    return _constants_to_initializers(onnx.load_from_string(buffer.getvalue()))
+
+
+def input_names(model: onnx.ModelProto) -> list[str]:
+    """Graph inputs that are not initializers."""
+    inits = {i.name for i in model.graph.initializer}
+    return [i.name for i in model.graph.input if i.name not in inits]
+
+
+def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Constant nodes become initializers and Identity copies of initializers (the TorchScript exporter's
+    way of sharing a weight) read the initializer itself, so no node is a pure source, no cut carries a
+    weight, and a shared weight is one weight."""
+    inits = {i.name for i in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    alias: dict[str, str] = {}
+    keep = []
+    for node in model.graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(node.attribute[0].t)
+            tensor.name = node.output[0]
+            model.graph.initializer.append(tensor)
+            inits.add(tensor.name)
+        elif node.op_type == "Identity" and node.input[0] in inits and node.output[0] not in outputs:
+            alias[node.output[0]] = node.input[0]
+        else:
+            keep.append(node)
+    for node in keep:
+        for k, name in enumerate(node.input):
+            if name in alias:
+                node.input[k] = alias[name]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    return model
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    inferred = shape_inference.infer_shapes(model)
+    g = inferred.graph
+    return {v.name: v.type for v in [*g.value_info, *g.input, *g.output]}
+
+
+def _measured_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, onnx.TypeProto]:
+    """Types of every node output as ONNX Runtime computes them at batch 2 and 3 (dims that change
+    with the batch are the symbolic batch dimension)."""
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {o.name for o in probe.graph.output}
+    names = [y for node in probe.graph.node for y in node.output if y and y not in have]
+    for name in names:
+        probe.graph.output.append(helper.make_empty_tensor_value_info(name))
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    wanted = [o.name for o in probe.graph.output]
+    runs = []
+    for batch in (2, 3):
+        batched = {k: np.concatenate([v[:1]] * batch) for k, v in feeds.items()}
+        runs.append(dict(zip(wanted, session.run(wanted, batched), strict=True)))
+    out = {}
+    for name in wanted:
+        a, b = np.asarray(runs[0][name]), np.asarray(runs[1][name])
+        if a.ndim != b.ndim:
+            continue
+        dims: list[int | str] = [
+            "batch" if k == 0 and a.shape[0] != b.shape[0] else a.shape[k] for k in range(a.ndim)
+        ]
+        if any(isinstance(d, int) and a.shape[k] != b.shape[k] for k, d in enumerate(dims)):
+            continue  # another data-dependent dim: leave it to inference
+        elem = helper.np_dtype_to_tensor_dtype(a.dtype)
+        out[name] = helper.make_tensor_type_proto(elem, dims)
+    return out
+
+
+def _dims(tp: onnx.TypeProto | None) -> tuple[list[int], bool] | None:
+    """Per-example dims (batch removed) and whether it has a batch dimension; None if unknown."""
+    if tp is None or not tp.tensor_type.HasField("shape"):
+        return None
+    dims = list(tp.tensor_type.shape.dim)
+    batched = bool(dims) and dims[0].HasField("dim_param")
+    rest = dims[1:] if batched else dims
+    if any(not d.HasField("dim_value") for d in rest):
+        return None
+    return [d.dim_value for d in rest], batched
+
+
+def _itemsize(tp: onnx.TypeProto) -> int:
+    return int(np.dtype(helper.tensor_dtype_to_np_dtype(tp.tensor_type.elem_type)).itemsize)
+
+
+def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None = None) -> ModelGraph:
+    """The planner's graph of an ONNX model: per node FLOPs, weights, activation sizes per example.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto
+        As :func:`export_onnx` returns (symbolic batch dimension first).
+    feeds : dict of str to ndarray or None (default: None)
+        Example inputs. If given, every activation's shape is measured by running the model with ONNX
+        Runtime at two batch sizes (static shape inference loses shapes after data-dependent reshapes,
+        as in attention); otherwise only inferred shapes are used and unknown ones count as 0 bytes.
+    """
+    types = _value_types(model)
+    if feeds is not None:
+        types.update(_measured_types(model, feeds))
+    g = model.graph
+    weight_bytes = {i.name: int(numpy_helper.to_array(i).nbytes) for i in g.initializer}
+    outputs = [o.name for o in g.output]
+    ins = input_names(model)
+    n = len(g.node)
+    producer = {name: -1 for name in ins}
+    last_use = {name: -1 for name in ins}
+    nodes = []
+    for k, node in enumerate(g.node):
+        acts = tuple(x for x in node.input if x and x not in weight_bytes)
+        weights = tuple(x for x in node.input if x in weight_bytes)
+        for x in acts:
+            last_use[x] = k
+        for y in node.output:
+            if y:
+                producer[y], last_use[y] = k, last_use.get(y, k)
+        nodes.append(
+            Node(
+                node.name or f"node{k}",
+                node.op_type,
+                _flops(node, types, weight_bytes, g),
+                acts,
+                tuple(y for y in node.output if y),
+                weights,
+            )
+        )
+    for name in outputs:
+        last_use[name] = n
+    tensors = {}
+    for name, prod in producer.items():
+        tp = types.get(name)
+        shape = _dims(tp)
+        if shape is None:  # unknown shape: count nothing rather than guess (rare: shape-computing ops)
+            per, fixed, is_float = 0, 0, False
+        else:
+            size = math.prod(shape[0]) * _itemsize(tp)
+            per, fixed = (size, 0) if shape[1] else (0, size)
+            is_float = tp.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+        tensors[name] = Tensor(name, prod, max(last_use[name], prod), per, fixed, is_float)
+    return ModelGraph(tuple(nodes), tensors, weight_bytes, tuple(ins), tuple(outputs))
+
+
+def _numel(tp: onnx.TypeProto | None) -> int:
+    shape = _dims(tp)
+    return math.prod(shape[0]) if shape else 0
+
+
+def _flops(node: onnx.NodeProto, types: dict, weight_bytes: dict, g: onnx.GraphProto) -> float:
+    """Floating-point operations per example (multiply and add count as two)."""
+    out = _numel(types.get(node.output[0])) if node.output else 0
+    op = node.op_type
+    if op in ("Conv", "ConvTranspose"):
+        w = (
+            next(i for i in g.initializer if i.name == node.input[1])
+            if node.input[1] in weight_bytes
+            else None
+        )
+        per_out = math.prod(w.dims[1:]) if w is not None else 1
+        return 2.0 * out * per_out
+    if op in ("Gemm", "MatMul"):
+        a = _dims(types.get(node.input[0]))
+        k = a[0][-1] if a and a[0] else 1
+        if op == "Gemm" and any(at.name == "transA" and at.i for at in node.attribute) and a:
+            k = a[0][-2] if len(a[0]) > 1 else 1
+        return 2.0 * out * k
+    if op in ("MaxPool", "AveragePool"):
+        kernel = next((list(at.ints) for at in node.attribute if at.name == "kernel_shape"), [1])
+        return float(out * math.prod(kernel))
+    if op in _NORM:
+        return float(_NORM[op] * max(out, _numel(types.get(node.input[0]))))
+    if op in _ELEMENTWISE:
+        return float(out)
+    return 0.0  # data movement: Reshape, Transpose, Gather, Concat, Flatten, ...
+
+
+def extract_stage(model: onnx.ModelProto, graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:
+    """A self-contained ONNX model of nodes ``[start, end)``: inputs are the crossing tensors it reads,
+    outputs the crossing tensors it produces (cut ``end``), weights copied in.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto
+        The full model ``graph`` was read from.
+    graph : ModelGraph
+        Its planner graph (same node order).
+    start, end : int
+        The stage's cuts.
+    """
+    types = _value_types(model)
+    g = model.graph
+    nodes = list(g.node[start:end])
+    used = {x for node in nodes for x in node.input if x}
+    inits = [i for i in g.initializer if i.name in used]
+    ins = graph.stage_inputs(start, end)
+    outs = graph.stage_outputs(start, end)
+    if not outs:
+        raise ValueError(f"stage [{start}, {end}) produces nothing that is used later")
+
+    def info(name: str) -> onnx.ValueInfoProto:
+        vi = onnx.ValueInfoProto()
+        vi.name = name
+        vi.type.CopyFrom(types[name])
+        return vi
+
+    sub = helper.make_graph(
+        nodes, f"stage_{start}_{end}", [info(x) for x in ins], [info(y) for y in outs], inits
+    )
+    stage = helper.make_model(sub, opset_imports=list(model.opset_import), producer_name="fedge.partitioning")
+    stage.ir_version = model.ir_version
+    onnx.checker.check_model(stage)
+    return stage
+
+
+def stage_io(graph: ModelGraph, bounds: Sequence[int]) -> list[tuple[list[str], list[str], list[str]]]:
+    """Per stage: tensors it reads, produces, and forwards unchanged (crossing both its cuts, unused)."""
+    out = []
+    for start, end in itertools.pairwise(bounds):
+        ins, outs = graph.stage_inputs(start, end), graph.stage_outputs(start, end)
+        through = [t for t in graph.crossing(end) if t not in outs]
+        out.append((ins, outs, through))
+    return out
+
+
+def capture(
+    model: Any, example_inputs: Any, *, opset: int = OPSET
+) -> tuple[onnx.ModelProto, ModelGraph, dict]:
+    """Export ``model`` and read its graph: ``(onnx_model, graph, feeds)`` with ``feeds`` the example
+    inputs as numpy arrays by graph input name.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model.
+    example_inputs : Tensor or tuple of Tensor
+        Example inputs (batch first).
+    opset : int (default: OPSET)
+        ONNX opset to pin.
+    """
+    onnx_model = export_onnx(model, example_inputs, opset=opset)
+    inputs = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
+    feeds = {name: t.detach().cpu().numpy() for name, t in zip(input_names(onnx_model), inputs, strict=True)}
+    return onnx_model, graph_from_onnx(onnx_model, feeds), feeds

@@ -1,0 +1,240 @@
+"""Running stages: boundary encodings, stage executors, and a local pipelined runner.
+
+A :class:`StageExecutor` turns a stage's input tensors into its output tensors. :class:`OrtExecutor` runs a
+stage's ONNX model in this process; a remote executor (an agent over MQTT) implements the same one method
+and drops into :class:`LocalRunner` unchanged: the runner only hands each executor exactly the tensors
+crossing its stage's first cut (encoded as the plan says) and forwards exactly those crossing its last.
+
+The runner pipelines micro-batches: one thread per stage, bounded queues between them. ONNX Runtime
+releases the GIL while it computes, so stage k works on micro-batch m while stage k+1 works on m-1.
+Sessions are created with ``session.intra_op.allow_spinning=0`` (idle spinning threads of chained sessions
+fight over the cores) and one intra-op thread each by default.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from fedge.partitioning.costs import BOUNDARY_BYTES_FACTOR
+
+__all__ = [
+    "Encoded",
+    "LocalRunner",
+    "OrtExecutor",
+    "RunStats",
+    "StageExecutor",
+    "decode",
+    "encode",
+    "session_options",
+]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tensor as it travels between stages.
+
+    Parameters
+    ----------
+    data : ndarray
+        The payload (float32, float16 or uint8 for floating-point tensors; others unchanged).
+    dtype : str
+        The tensor's own dtype, restored on decoding.
+    scale, zero : float (default: 1.0, 0.0)
+        Affine int8 parameters: ``x ≈ (q - zero) * scale``.
+    """
+
+    data: np.ndarray
+    dtype: str
+    scale: float = 1.0
+    zero: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire (payload plus the 8-byte int8 header)."""
+        return int(self.data.nbytes) + (8 if self.data.dtype == np.uint8 and self.dtype != "uint8" else 0)
+
+
+def encode(x: np.ndarray, boundary: str) -> Encoded:
+    """Encode a tensor for a stage boundary (``fp32``, ``fp16`` or per-tensor affine ``int8``)."""
+    if boundary not in BOUNDARY_BYTES_FACTOR:
+        raise ValueError(f"unknown boundary encoding {boundary!r}")
+    if x.dtype != np.float32 or boundary == "fp32":
+        return Encoded(x, str(x.dtype))
+    if boundary == "fp16":
+        return Encoded(x.astype(np.float16), "float32")
+    lo, hi = float(x.min(initial=0.0)), float(x.max(initial=0.0))
+    scale = (hi - lo) / 255.0 or 1.0
+    zero = float(np.round(-lo / scale))
+    q = np.clip(np.round(x / scale + zero), 0, 255).astype(np.uint8)
+    return Encoded(q, "float32", scale, zero)
+
+
+def decode(e: Encoded) -> np.ndarray:
+    """The tensor back from :func:`encode`."""
+    if e.data.dtype == np.uint8 and e.dtype != "uint8":
+        return ((e.data.astype(np.float32) - np.float32(e.zero)) * np.float32(e.scale)).astype(e.dtype)
+    return e.data.astype(e.dtype, copy=False)
+
+
+class StageExecutor(Protocol):
+    """Runs one stage: named input arrays in, named output arrays out."""
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+def session_options(threads: int = 1) -> object:
+    """ONNX Runtime options for chained sessions: no spinning, ``threads`` intra-op threads."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return options
+
+
+class OrtExecutor:
+    """A stage's ONNX model in an ONNX Runtime session in this process.
+
+    Parameters
+    ----------
+    model : bytes or str
+        Serialized ONNX model or a path to one.
+    threads : int (default: 1)
+        Intra-op threads.
+    """
+
+    def __init__(self, model: bytes | str, threads: int = 1) -> None:
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(
+            model, session_options(threads), providers=["CPUExecutionProvider"]
+        )
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(self.outputs, self.session.run(self.outputs, inputs), strict=True))
+
+
+@dataclass
+class RunStats:
+    """What a run moved and how long it took.
+
+    Parameters
+    ----------
+    link_bytes : list of int
+        Bytes sent across each stage boundary (after encoding), summed over micro-batches.
+    wall_s : float
+        Wall time of the run.
+    """
+
+    link_bytes: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+_STOP = object()
+
+
+class LocalRunner:
+    """Chains stage executors in one process, micro-batches pipelined across stage threads.
+
+    Parameters
+    ----------
+    executors : sequence of StageExecutor
+        One per stage, in order.
+    inputs : sequence of list of str
+        Per stage, the tensors its executor reads.
+    crossing : sequence of list of str
+        Per stage, the tensors crossing its last cut (outputs it produces plus tensors it forwards);
+        for the last stage, the model's outputs.
+    boundary : str (default: "fp32")
+        Encoding of floating-point tensors between stages.
+    """
+
+    def __init__(
+        self,
+        executors: Sequence[StageExecutor],
+        inputs: Sequence[list[str]],
+        crossing: Sequence[list[str]],
+        boundary: str = "fp32",
+    ) -> None:
+        if not (len(executors) == len(inputs) == len(crossing)):
+            raise ValueError("one executor, input list and crossing list per stage")
+        self.executors, self.inputs, self.crossing, self.boundary = (
+            list(executors),
+            inputs,
+            crossing,
+            boundary,
+        )
+        self.stats = RunStats()
+
+    def run(self, feeds: dict[str, np.ndarray], micro_batch: int | None = None) -> dict[str, np.ndarray]:
+        """Run the model on ``feeds`` (arrays with the batch first), in micro-batches of ``micro_batch``."""
+        import time
+
+        start = time.perf_counter()
+        total = len(next(iter(feeds.values())))
+        size = micro_batch or total
+        chunks = [{k: v[s : s + size] for k, v in feeds.items()} for s in range(0, total, size)]
+        num = len(self.executors)
+        queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in range(num + 1)]
+        link_bytes = [0] * max(num - 1, 0)
+        errors: list[BaseException] = []
+
+        def worker(k: int) -> None:
+            while (item := queues[k].get()) is not _STOP:
+                index, env = item
+                if env is None:  # an earlier stage failed on this micro-batch
+                    queues[k + 1].put((index, None))
+                    continue
+                try:
+                    env = {name: decode(e) if isinstance(e, Encoded) else e for name, e in env.items()}
+                    env.update(self.executors[k].run({name: env[name] for name in self.inputs[k]}))
+                    last = k == num - 1
+                    out = {
+                        name: env[name] if last else encode(env[name], self.boundary)
+                        for name in self.crossing[k]
+                    }
+                    if not last:
+                        link_bytes[k] += sum(e.nbytes for e in out.values())
+                    queues[k + 1].put((index, out))
+                except BaseException as err:  # reported by run(); the pipeline drains
+                    errors.append(err)
+                    queues[k + 1].put((index, None))
+                    break
+            else:
+                queues[k + 1].put(_STOP)
+                return
+            while queues[k].get() is not _STOP:  # after an error: drain so the feeder never blocks
+                pass
+            queues[k + 1].put(_STOP)
+
+        threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(num)]
+        for t in threads:
+            t.start()
+        results: dict[int, dict[str, np.ndarray]] = {}
+
+        def collect() -> None:
+            while (item := queues[num].get()) is not _STOP:
+                if item[1] is not None:
+                    results[item[0]] = item[1]
+
+        collector = threading.Thread(target=collect, daemon=True)
+        collector.start()
+        for index, chunk in enumerate(chunks):
+            queues[0].put((index, chunk))
+        queues[0].put(_STOP)
+        for t in [*threads, collector]:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.stats = RunStats(link_bytes, time.perf_counter() - start)
+        names = self.crossing[-1]
+        return {name: np.concatenate([results[i][name] for i in range(len(chunks))]) for name in names}
