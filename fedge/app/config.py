@@ -71,6 +71,8 @@ class AppConfig:
         Replies whose update norm exceeds this multiple of the round's median are rejected.
     max_failed_rounds : int (default: 3)
         Stop the run after this many rounds in a row without one accepted update (0: never stop).
+    target_accuracy : float (default: 0.0)
+        End the run early once the global model reaches this accuracy (0: run every round).
     """
 
     rounds: int = 30
@@ -93,6 +95,7 @@ class AppConfig:
     ef_momentum: float = 0.0
     max_norm_ratio: float = 5.0
     max_failed_rounds: int = 3
+    target_accuracy: float = 0.0
 
     # Flower's key for the number of rounds differs from the field name.
     _RUN_CONFIG_KEYS: ClassVar[dict[str, str]] = {"rounds": "num-server-rounds"}
@@ -109,6 +112,7 @@ class AppConfig:
             (":" in self.task, "task must be 'package.module:TaskClass' or 'path/to/file.py:TaskClass'"),
             (self.min_nodes >= 1, "min_nodes must be >= 1"),
             (self.max_failed_rounds >= 0, "max_failed_rounds must be >= 0"),
+            (0.0 <= self.target_accuracy <= 1.0, "target_accuracy must be in [0, 1]"),
         ]
         for ok, message in checks:
             if not ok:

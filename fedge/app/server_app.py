@@ -129,6 +129,7 @@ def federated_run(
         out_dir=config.out_dir,
         min_nodes=config.min_nodes,
         max_failed_rounds=config.max_failed_rounds,
+        target_accuracy=config.target_accuracy,
     )
 
 

@@ -64,6 +64,8 @@ class FederatedRun:
         interrupted); empty writes nothing.
     min_nodes : int (default: 1)
         Nodes a coordinator waits for before round 1.
+    target_accuracy : float (default: 0.0)
+        Stop once the global model reaches this accuracy (time-to-accuracy runs); 0 runs every round.
     max_failed_rounds : int (default: 3)
         Stop with :class:`RunFailed` after this many consecutive rounds in which no client update was
         accepted (0 never stops); a run that ends without a single accepted update fails too.
@@ -78,6 +80,7 @@ class FederatedRun:
     seed: int | None = None
     out_dir: str = ""
     min_nodes: int = 1
+    target_accuracy: float = 0.0
     max_failed_rounds: int = 3
 
 
@@ -162,6 +165,8 @@ def run_rounds(
                 history.write(run.out_dir)
             history.notify(metrics)
             failures.check(metrics, traffic.first_error)
+            if run.target_accuracy and metrics.accuracy >= run.target_accuracy:
+                raise _TargetReached
         round_started = time.perf_counter()
         return MetricRecord({"accuracy": result["accuracy"], "loss": result["loss"]})
 
@@ -175,11 +180,19 @@ def run_rounds(
             evaluate_fn=evaluate,
             timeout=timeout,
         )
+    except _TargetReached:
+        log.info(
+            "reached the target accuracy %.4f after round %d", run.target_accuracy, history.rounds[-1].round
+        )
     finally:  # an interrupted or failed run still leaves the rounds it completed
         if run.out_dir and history.rounds:
             write_run_outputs(history, run.out_dir)
     failures.check_run(history)
     return history
+
+
+class _TargetReached(Exception):
+    """Raised from the evaluation hook to end Flower's round loop once the target accuracy is reached."""
 
 
 class _FailureWatch:

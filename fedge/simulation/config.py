@@ -50,7 +50,7 @@ class SimulationConfig:
         simulated clock (``fedge.simulation.clock_grid``) and metrics gain simulated times. None: no clock.
     availability : str (default: "")
         With a fleet: when clients are available. ``""`` always, ``"random"`` (exponential on/off periods,
-        each client away 60% of the time), ``"diurnal"`` (a day's cycle) or the path of a FedScale
+        each client away 70% of the time), ``"diurnal"`` (a day's cycle) or the path of a FedScale
         availability pickle.
     schedule : Schedule (default: Schedule())
         With a fleet: deadline, over-selection, availability- and memory-aware sampling (``[schedule]``).

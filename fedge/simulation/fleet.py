@@ -25,8 +25,8 @@ from fedge.simulation.config import SimulationConfig
 
 __all__ = ["availability_trace", "clocked_grid", "training_flops_per_example"]
 
-# The synthetic "random" availability: each client is away 60% of the time, in periods of about an hour.
-_MEAN_ON_S, _MEAN_OFF_S = 2400.0, 3600.0
+# The synthetic "random" availability: each client is away 70% of the time, in periods of about an hour.
+_MEAN_ON_S, _MEAN_OFF_S = 1800.0, 4200.0
 
 
 def training_flops_per_example(model: torch.nn.Module, example: torch.Tensor) -> float:

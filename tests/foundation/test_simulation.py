@@ -177,3 +177,10 @@ def test_failed_replies_are_counted_and_the_run_completes():
     finally:
         grid.shutdown()
     assert [(r.clients_sampled, r.clients_replied) for r in history.rounds] == [(3, 2), (3, 2)]
+
+
+def test_a_run_ends_when_it_reaches_its_target_accuracy():
+    config = SimulationConfig(clients=4, app=AppConfig(rounds=30, local_epochs=1, target_accuracy=0.5))
+    rounds = run_simulation(config).rounds
+    assert rounds[-1].accuracy >= 0.5 and all(r.accuracy < 0.5 for r in rounds[:-1])
+    assert len(rounds) < 30
