@@ -1,8 +1,12 @@
 """The reliable channel: chunked, windowed, resumable, deduplicated messages over one MQTT connection.
 
 Threads: paho's network thread decodes frames and runs the receiver and the ACK handling; one pump thread
-publishes chunks as windows open, probes stalled transfers, expires old state and runs timers. Shared state is
-guarded by one condition variable; paho is never called with it held.
+publishes chunks as windows open, probes stalled transfers, expires old state, logs drops and runs timers.
+Shared state is guarded by one condition variable; paho is never called with it held.
+
+Everything thrown away is counted per topic it came on (``receiver_stats.by_stream``; under the broker ACL a
+topic names its sender) and logged by the pump at most once per topic and reason every
+``drop_log_interval_s``, with the count since the previous line (:class:`DropLog`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import MqttConnection, Will
@@ -31,7 +35,7 @@ from fedge.transport.receiver import Completed, Reassembler, ReceiverStats
 from fedge.transport.sender import OutgoingTransfer, SenderStats, TransferError, TransferHandle
 from fedge.transport.topics import ack_topic
 
-__all__ = ["ReliableChannel"]
+__all__ = ["DropLog", "ReliableChannel"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,40 @@ _TICK_S = 0.25
 _EXPIRE_EVERY_S = 1.0
 # Bytes of an MQTT PUBLISH besides topic and payload: fixed header, topic length, packet id, properties.
 _MQTT_OVERHEAD = 32
+# Reasons that happen without anyone misbehaving (re-deliveries after a reconnect, late acks, stale wills,
+# senders that went away): logged at INFO, the rest at WARNING.
+_BENIGN_REASONS = frozenset({"duplicate", "expired", "rejected-expired", "ack-unknown", "presence-stale"})
+
+
+class DropLog:
+    """Which drop counts to log: per (stream, reason) at most one line every ``interval_s``. Pure.
+
+    Feed it cumulative counts with :meth:`update`; :meth:`due` returns the lines to write now, each with the
+    drops since the previous line for that pair (so nothing is lost to rate limiting, only delayed).
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._logged: dict[tuple[str, str], tuple[int, float]] = {}  # count in the last line, and its time
+        self._pending: dict[tuple[str, str], int] = {}
+
+    def update(self, stream: str, counts: Mapping[str, int]) -> None:
+        """The current cumulative counts of one stream."""
+        for reason, count in counts.items():
+            if count > self._logged.get((stream, reason), (0, 0.0))[0]:
+                self._pending[(stream, reason)] = count
+
+    def due(self, now_s: float) -> list[tuple[str, str, int, int]]:
+        """``(stream, reason, new since the last line, total)`` for each pair whose interval has passed."""
+        lines = []
+        for key, count in list(self._pending.items()):
+            logged, at = self._logged.get(key, (0, float("-inf")))
+            if now_s < at + self.interval_s:
+                continue
+            del self._pending[key]
+            self._logged[key] = (count, now_s)
+            lines.append((*key, count - logged, count))
+        return lines
 
 
 class ReliableChannel:
@@ -56,6 +94,8 @@ class ReliableChannel:
         Last will for each (re)connect (see :class:`MqttConnection`).
     on_connected : callable(first: bool), optional
         Called after each successful (re)connect, from paho's thread.
+    sender_of : callable(topic) -> str, optional
+        Names the sender of a topic in drop logs (e.g. ``node n7``); default: the topic.
     """
 
     def __init__(
@@ -66,6 +106,7 @@ class ReliableChannel:
         on_complete: Callable[[Completed], None],
         will: Callable[[], Will] | None = None,
         on_connected: Callable[[bool], None] | None = None,
+        sender_of: Callable[[str], str] | None = None,
     ) -> None:
         self.config = config
         self.settings = config.transfer
@@ -87,6 +128,10 @@ class ReliableChannel:
         self._report_at: float | None = None
         self._next_expire = 0.0
         self._timers: list[Callable[[float], None]] = []
+        self._sender_of = sender_of or (lambda topic: topic)
+        self._message_limit: Callable[[str], int | None] | None = None
+        self._limit_failures = 0
+        self._drop_log = DropLog(self.settings.drop_log_interval_s)
         self._pump = threading.Thread(target=self._run_pump, name=f"fedge-pump-{client_id}", daemon=True)
 
     # ----------------------------------------------------------------------------------------------- set-up
@@ -97,6 +142,27 @@ class ReliableChannel:
     def listen_acks(self, ack_filter: str) -> None:
         """Take acknowledgements for our transfers from topics matching ``ack_filter``."""
         self.connection.route(ack_filter, self._handle_ack)
+
+    def set_message_limit(self, limit: Callable[[str], int | None] | None) -> None:
+        """Cap each new incoming message at ``limit(topic)`` bytes (None: no cap beyond the settings).
+
+        Called on paho's thread for every DATA frame, without the channel's lock (so it may take locks of its
+        own), before the frame reaches the receiver; if it raises, the settings alone apply.
+        """
+        self._message_limit = limit
+
+    def count_drop(self, topic: str, reason: str, *, drop: bool = True) -> None:
+        """Count something received on ``topic`` and thrown away (``drop``) or only ignored."""
+        with self._cond:
+            if drop:
+                self.receiver_stats.drop(topic, reason)
+            else:
+                self.receiver_stats.note(topic, reason)
+
+    def drop_snapshot(self) -> dict[str, dict[str, int]]:
+        """A copy of the per-topic counts: topic -> reason -> count."""
+        with self._cond:
+            return {topic: dict(counts) for topic, counts in self.receiver_stats.by_stream.items()}
 
     def add_timer(self, callback: Callable[[float], None]) -> None:
         """Call ``callback(now_s)`` from the pump thread about once a second (without the channel's lock)."""
@@ -190,6 +256,8 @@ class ReliableChannel:
                 elif not (chunks or probes or reports):
                     self._cond.wait(_TICK_S)
                     continue
+            if tick:
+                self._log_drops(now)
             for timer in self._timers if tick else ():
                 timer(now)
             self._publish_chunks(chunks, now)
@@ -197,6 +265,17 @@ class ReliableChannel:
                 self.connection.publish(topic, frame, qos=0)
             for topic, ack in reports:
                 self.connection.publish(ack_topic(topic), encode_ack(ack))
+
+    def _log_drops(self, now: float) -> None:
+        """Pump thread: log what was dropped since the last lines, rate-limited per topic and reason."""
+        with self._cond:
+            changed, self.receiver_stats.changed = self.receiver_stats.changed, set()
+            for topic in changed:
+                self._drop_log.update(topic, self.receiver_stats.by_stream[topic])
+        for topic, reason, new, total in self._drop_log.due(now):
+            level = logging.INFO if reason in _BENIGN_REASONS else logging.WARNING
+            text = "dropped from %s on %s: %s x%d since the last report (%d in total)"
+            logger.log(level, text, self._sender_of(topic), topic, reason, new, total)
 
     def _collect(self, now: float) -> tuple[list[tuple[OutgoingTransfer, int]], list[tuple[str, bytes]]]:
         """Under the lock: chunks whose window opened and probes due; fail transfers past their deadline."""
@@ -238,13 +317,16 @@ class ReliableChannel:
         try:
             ack = decode_frame(payload, self._limits)
         except FrameError as err:
-            self.ack_drops[err.reason] += 1
+            with self._cond:
+                self.ack_drops[err.reason] += 1
+                self.receiver_stats.note(topic, f"ack-{err.reason}")
             return
         now = time.time()
         with self._cond:
             transfer = self._transfers.get(ack.transfer_id) if isinstance(ack, AckFrame) else None
             if transfer is None or ack_topic(transfer.topic) != topic:
                 self.sender_stats.unknown_acks += 1
+                self.receiver_stats.note(topic, "ack-unknown")
                 return
             chunks = transfer.on_ack(ack, now)
             if transfer.finished:
@@ -266,21 +348,35 @@ class ReliableChannel:
             frame = decode_frame(payload, self._limits)
         except FrameError as err:
             with self._cond:
-                self.receiver_stats.dropped[err.reason] += 1
+                self.receiver_stats.drop(topic, err.reason)
             return
         completed = None
+        limit = self._limit_of(topic) if isinstance(frame, DataFrame) else None
         with self._cond:
             if isinstance(frame, DataFrame):
-                ack, completed = self._reassembler.on_data(topic, frame, time.time())
+                ack, completed = self._reassembler.on_data(topic, frame, time.time(), limit)
             elif isinstance(frame, ProbeFrame):
                 ack = self._reassembler.on_probe(topic, frame)
             else:
-                self.receiver_stats.dropped["kind"] += 1
+                self.receiver_stats.drop(topic, "kind")
                 return
         if ack is not None:
             self.connection.publish(ack_topic(topic), encode_ack(ack))
         if completed is not None:
             self._on_complete(completed)
+
+    def _limit_of(self, topic: str) -> int | None:
+        """paho thread: the application's cap on a message from ``topic``, or None."""
+        limit = self._message_limit
+        if limit is None:
+            return None
+        try:
+            return limit(topic)
+        except Exception:  # the application's bug must not stop reception: fall back to the settings
+            self._limit_failures += 1
+            if self._limit_failures == 1:  # once: it would fail again for every chunk
+                logger.exception("message limit for %s failed; using max_message_bytes", topic)
+            return None
 
     def _handle_connected(self, session_present: bool, first: bool) -> None:
         """paho thread: after each CONNACK."""

@@ -52,10 +52,18 @@ class TransferSettings:
     max_chunk_size : int, default 4 MiB
         Largest chunk a receiver accepts (a size cap on untrusted frames).
     max_buffered_bytes : int, default 512 MiB
-        Memory cap for partially received messages; chunks of a new message that does not fit are dropped
+        Memory cap for partially received messages, over all senders. Each partial message reserves its
+        claimed size plus 4 bytes per chunk (memory itself is taken only as chunks arrive). When a new
+        message does not fit, a sender within its fair share (this cap divided by the senders with partial
+        messages) evicts partial messages of senders above their share; any other new message is dropped
         (the sender retries later).
     max_partial_transfers : int, default 256
-        Cap on messages being received at once.
+        Cap on messages being received at once, over all senders (fair share as for bytes).
+    max_buffered_bytes_per_sender : int, default 256 MiB
+        What one sender (one stream, i.e. one node's outbox) may reserve at once; a new message beyond it is
+        dropped, and one that could never fit (above this or ``max_buffered_bytes``) is rejected.
+    max_partial_transfers_per_sender : int, default 16
+        Messages one sender may have partially received at once; a new one beyond it is dropped.
     max_partial_age_s : float, default 3600.0
         A partial transfer is dropped this long after its first chunk even if its deadline is later.
     dedup_size : int, default 8192
@@ -65,6 +73,9 @@ class TransferSettings:
         reporting the chunks it still lacks.
     clock_skew_s : float, default 5.0
         Tolerance added to deadlines from other machines (their clocks may run ahead).
+    drop_log_interval_s : float, default 60.0
+        Dropped frames are logged at most once per topic (i.e. sender) and reason in this interval, each line
+        with the count since the previous one; 0 logs at every check (about once a second).
     """
 
     chunk_size: int = 256 * KiB
@@ -76,21 +87,25 @@ class TransferSettings:
     max_chunk_size: int = 4 * MiB
     max_buffered_bytes: int = 512 * MiB
     max_partial_transfers: int = 256
+    max_buffered_bytes_per_sender: int = 256 * MiB
+    max_partial_transfers_per_sender: int = 16
     max_partial_age_s: float = 3600.0
     dedup_size: int = 8192
     resume_settle_s: float = 0.5
     clock_skew_s: float = 5.0
+    drop_log_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_size", "window", "ack_every", "ack_timeout_s", "message_expiry_s")
         _positive(self, "max_message_bytes", "max_chunk_size", "max_buffered_bytes", "max_partial_transfers")
+        _positive(self, "max_buffered_bytes_per_sender", "max_partial_transfers_per_sender")
         _positive(self, "max_partial_age_s", "dedup_size")
         if self.chunk_size > self.max_chunk_size:
             raise ConfigError(f"chunk_size {self.chunk_size} exceeds max_chunk_size {self.max_chunk_size}")
         if self.ack_every > self.window:
             raise ConfigError(f"ack_every {self.ack_every} exceeds window {self.window}")
-        if self.resume_settle_s < 0 or self.clock_skew_s < 0:
-            raise ConfigError("resume_settle_s and clock_skew_s must be >= 0")
+        if self.resume_settle_s < 0 or self.clock_skew_s < 0 or self.drop_log_interval_s < 0:
+            raise ConfigError("resume_settle_s, clock_skew_s and drop_log_interval_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,10 @@ class MqttConfig:
     will_delay_s : int, default 5
         Grace before a node's last will marks it offline: the broker delays the will with MQTT 5; with 3.1.1
         the coordinator waits this long for the node to come back before reporting it offline.
+    presence_max_skew_s : float, default 300.0
+        How far in the future (by this machine's clock) a presence epoch, which is the sender's wall clock in
+        microseconds, may lie. Later epochs are forged or from a badly wrong clock: they are ignored (counted
+        as ``presence-forged``), so no record can outrank a node's later sessions for longer than this.
     max_packet_size : int or None, default None
         The broker's packet limit when it cannot say so itself (MQTT 3.1.1); with MQTT 5 CONNACK's Maximum
         Packet Size is used. Chunks are sized below it.
@@ -168,6 +187,7 @@ class MqttConfig:
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     session_expiry_s: int = 3600
     will_delay_s: int = 5
+    presence_max_skew_s: float = 300.0
     max_packet_size: int | None = None
     connect_timeout_s: float = 10.0
     reconnect_min_s: float = 0.1
@@ -185,6 +205,7 @@ class MqttConfig:
         if self.client_id is not None and not 0 < len(self.client_id.encode()) <= 128:
             raise ConfigError("client_id must be 1-128 bytes")
         _positive(self, "keepalive_s", "session_expiry_s", "connect_timeout_s", "reconnect_min_s")
+        _positive(self, "presence_max_skew_s")
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ConfigError("reconnect_max_s must be >= reconnect_min_s")
         if self.will_delay_s < 0:

@@ -1,4 +1,8 @@
-"""The two ends of a fleet: the coordinator (talks to every node) and a node (talks to the coordinator)."""
+"""The two ends of a fleet: the coordinator (talks to every node) and a node (talks to the coordinator).
+
+Both count what they throw away per sender (:meth:`drop_counts`): a frame's sender is the node whose topic it
+came on, which the broker ACL lets only that node (and the coordinator, for inboxes) write.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,14 +20,17 @@ from fedge.transport.channel import ReliableChannel
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import Will
 from fedge.transport.frames import FrameError, PresenceFrame, PresenceStatus, decode_frame, encode_presence
-from fedge.transport.presence import EpochClock, NodeStatus, PresenceTracker
-from fedge.transport.receiver import Completed
+from fedge.transport.presence import EpochClock, NodeStatus, PresenceTracker, epoch_is_forged
+from fedge.transport.receiver import UNATTRIBUTED, Completed
 from fedge.transport.sender import TransferHandle
 from fedge.transport.topics import Topics, ack_topic
 
 __all__ = ["CoordinatorEndpoint", "Delivery", "NodeEndpoint"]
 
 logger = logging.getLogger(__name__)
+
+# A node starts a new session (reconnects) at most this often to outrank a newer LEFT/LOST of its own id.
+_RENEW_MIN_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -50,7 +58,12 @@ class _Endpoint:
         self.config = config
         self.topics = Topics(config.fleet)
         self.channel = ReliableChannel(
-            config, client_id, on_complete=self._complete, will=will, on_connected=self._connected
+            config,
+            client_id,
+            on_complete=self._complete,
+            will=will,
+            on_connected=self._connected,
+            sender_of=self._sender_of,
         )
         self._inbox: queue.Queue[Delivery] = queue.Queue()
         self._on_message = on_message
@@ -71,6 +84,28 @@ class _Endpoint:
         except queue.Empty:
             return None
 
+    def drop_counts(self) -> dict[str, dict[str, int]]:
+        """What was dropped or ignored, per sender: ``{sender: {reason: count}}``.
+
+        On the coordinator the sender is a node id (``"?"`` for a topic that names no node); on a node it is
+        ``"coordinator"``. Reasons are documented in ``docs/mqtt-protocol.md`` ("Drop counters").
+        """
+        merged: dict[str, Counter[str]] = {}
+        for topic, counts in self.channel.drop_snapshot().items():
+            merged.setdefault(self._sender_of(topic), Counter()).update(counts)
+        return {sender: dict(counts) for sender, counts in merged.items()}
+
+    def drop_totals(self) -> dict[str, int]:
+        """What was dropped or ignored over all senders: ``{reason: count}``."""
+        totals: Counter[str] = Counter()
+        for counts in self.channel.drop_snapshot().values():
+            totals.update(counts)
+        return dict(totals)
+
+    def drop_total(self) -> int:
+        """Everything counted by :meth:`drop_totals`, in one number."""
+        return sum(self.drop_totals().values())
+
     def close(self) -> None:
         """Stop delivering, fail unfinished sends and disconnect."""
         self._stop.set()
@@ -86,6 +121,10 @@ class _Endpoint:
         self.close()
 
     def _node_of(self, stream: str) -> str:
+        raise NotImplementedError
+
+    def _sender_of(self, topic: str) -> str:
+        """Who the drop counters charge for a frame that arrived on ``topic``."""
         raise NotImplementedError
 
     def _connected(self, first: bool) -> None:
@@ -117,6 +156,9 @@ class CoordinatorEndpoint(_Endpoint):
         Called from a delivery thread for each message; without it use :meth:`receive`.
     on_presence : callable(node_id, online), optional
         Called when a node goes online or offline (from paho's or the pump thread; keep it short).
+    max_message_bytes_for : callable(node_id) -> int or None, optional
+        The largest message accepted from a node (None: only the transfer settings limit it); see
+        :meth:`set_message_limit`.
     """
 
     def __init__(
@@ -125,11 +167,13 @@ class CoordinatorEndpoint(_Endpoint):
         *,
         on_message: Callable[[Delivery], None] | None = None,
         on_presence: Callable[[str, bool], None] | None = None,
+        max_message_bytes_for: Callable[[str], int | None] | None = None,
     ) -> None:
         super().__init__(config, config.client_id or f"fedge-{config.fleet}-coordinator", on_message)
         self._on_presence = on_presence
         self._presence_lock = threading.Lock()
-        self._tracker = PresenceTracker()
+        self._tracker = PresenceTracker(max_skew_s=config.presence_max_skew_s)
+        self.set_message_limit(max_message_bytes_for)
         self.channel.listen(self.topics.all_outboxes)
         self.channel.listen_acks(self.topics.all_inbox_acks)
         self.channel.connection.route(self.topics.all_presence, self._handle_presence)
@@ -143,6 +187,26 @@ class CoordinatorEndpoint(_Endpoint):
             self.topics.inbox(node_id), payload, message_id=message_id, expiry_s=expiry_s
         )
 
+    def set_message_limit(self, limit: Callable[[str], int | None] | None) -> None:
+        """Cap each message a node sends at ``limit(node_id)`` bytes, from now on.
+
+        ``limit`` is called on paho's network thread for every chunk that arrives (no transport lock is
+        held, but keep it quick: a dict lookup or arithmetic) and applies when the chunk starts a message: a
+        message above the limit is refused at once with REJECTED/TOO_LARGE, before anything is buffered,
+        and the sender's ``wait`` raises ``TransferError``. A ``limit`` of None, or one that returns None,
+        leaves only ``max_message_bytes`` and the memory budgets; if ``limit`` raises, the same applies and
+        the error is logged once. Messages already being received keep going.
+        """
+        if limit is None:
+            self.channel.set_message_limit(None)
+            return
+
+        def by_topic(topic: str) -> int | None:
+            node_id = self.topics.node_of(topic)
+            return 0 if node_id is None else limit(node_id)  # a topic naming no node: refuse
+
+        self.channel.set_message_limit(by_topic)
+
     def online_nodes(self) -> set[str]:
         """Ids of the nodes online now."""
         with self._presence_lock:
@@ -155,8 +219,17 @@ class CoordinatorEndpoint(_Endpoint):
 
     def _node_of(self, stream: str) -> str:
         node_id = self.topics.node_of(stream)
-        assert node_id is not None  # the subscription filter only matches node topics
+        assert node_id is not None  # _complete drops what names no node
         return node_id
+
+    def _sender_of(self, topic: str) -> str:
+        return self.topics.node_of(topic) or UNATTRIBUTED
+
+    def _complete(self, completed: Completed) -> None:
+        if self.topics.node_of(completed.stream) is None:  # "+" matched a level that is not a node id
+            self.channel.count_drop(completed.stream, "unattributed")
+            return
+        super()._complete(completed)
 
     def _connected(self, first: bool) -> None:
         # MQTT 5 brokers delay wills themselves; with 3.1.1 the tracker waits instead.
@@ -167,13 +240,19 @@ class CoordinatorEndpoint(_Endpoint):
         try:
             frame = decode_frame(payload)
         except FrameError as err:
-            self.channel.receiver_stats.dropped[f"presence-{err.reason}"] += 1
+            self.channel.count_drop(topic, f"presence-{err.reason}")
             return
         if node_id is None or not isinstance(frame, PresenceFrame):
-            self.channel.receiver_stats.dropped["presence-kind"] += 1
+            self.channel.count_drop(topic, "presence-kind")
             return
         with self._presence_lock:
+            forged, stale = self._tracker.forged_frames, self._tracker.stale_frames
             changes = self._tracker.on_frame(node_id, frame, time.time())
+            forged, stale = self._tracker.forged_frames > forged, self._tracker.stale_frames > stale
+        if forged:
+            self.channel.count_drop(topic, "presence-forged")
+        elif stale:  # normal: the will of a connection the node has replaced
+            self.channel.count_drop(topic, "presence-stale", drop=False)
         self._report(changes)
 
     def _tick(self, now: float) -> None:
@@ -210,6 +289,8 @@ class NodeEndpoint(_Endpoint):
             raise ConfigError(str(err)) from None
         self._epochs = EpochClock()
         self.epoch = 0
+        self._to_outrank = 0  # epoch of a newer LEFT/LOST of ours that our session must beat
+        self._renewed_at = float("-inf")
         super().__init__(
             config, config.client_id or f"fedge-{config.fleet}-{node_id}", on_message, self._will
         )
@@ -217,6 +298,7 @@ class NodeEndpoint(_Endpoint):
         self.channel.listen(self.topics.inbox(node_id))
         self.channel.listen_acks(ack_topic(self.topics.outbox(node_id)))
         self.channel.connection.route(self._presence_topic, self._handle_own_presence)
+        self.channel.add_timer(self._renew_session)
 
     def send(
         self, payload: bytes, *, message_id: str | None = None, expiry_s: float | None = None
@@ -235,6 +317,9 @@ class NodeEndpoint(_Endpoint):
     def _node_of(self, stream: str) -> str:
         return self.node_id
 
+    def _sender_of(self, topic: str) -> str:
+        return "coordinator"  # only the coordinator may write a node's inbox (and acknowledge its outbox)
+
     def _will(self) -> Will:
         """paho thread, before each (re)connect: a new epoch, and the will that carries it."""
         self.epoch = self._epochs.next()
@@ -249,19 +334,67 @@ class NodeEndpoint(_Endpoint):
         self.channel.connection.publish(self._presence_topic, frame, retain=True)
 
     def _handle_own_presence(self, topic: str, payload: bytes) -> None:
-        """A stale will may have overwritten our retained ONLINE: put it back."""
+        """paho thread: keep the retained status of this node telling the truth while it is connected.
+
+        * A stale will (older epoch) overwrote our ONLINE: put it back.
+        * A forged record (epoch beyond ``presence_max_skew_s`` of our clock; coordinators ignore it): put our
+          ONLINE back over it, so coordinators that start later find the real status.
+        * A newer LEFT/LOST (another session of this id ended, or a forgery) outranks our ONLINE, and only a
+          session with a newer epoch and a will to match outranks it: the pump reconnects once the record is
+          plausible by our clock (normally at once). Up to twice the bound ahead (clocks differ) we also
+          re-announce meanwhile; beyond that a record is garbage, answered only with our ONLINE.
+        * A newer ONLINE: another connection uses this id; say so, do not fight it.
+        """
         try:
             frame = decode_frame(payload)
         except FrameError:
             return
-        if not isinstance(frame, PresenceFrame):
+        if not isinstance(frame, PresenceFrame) or frame.epoch == self.epoch:
             return
-        if frame.epoch < self.epoch and frame.status is not PresenceStatus.ONLINE:
+        online, now, skew_s = (
+            frame.status is PresenceStatus.ONLINE,
+            time.time(),
+            self.config.presence_max_skew_s,
+        )
+        if frame.epoch > self.epoch and not online and not epoch_is_forged(frame.epoch, now, 2 * skew_s):
+            self._to_outrank = max(self._to_outrank, frame.epoch)
+        if epoch_is_forged(frame.epoch, now, skew_s):
+            logger.warning(
+                "forged status for %s retained (epoch %d is in the future); re-announcing online",
+                self.node_id,
+                frame.epoch,
+            )
+            self._announce(PresenceStatus.ONLINE)
+        elif frame.epoch < self.epoch and not online:
             logger.info(
                 "stale status (epoch %d) retained for %s; re-announcing online", frame.epoch, self.node_id
             )
             self._announce(PresenceStatus.ONLINE)
+        elif frame.epoch > self.epoch and not online:
+            logger.warning(
+                "%s (epoch %d > %d) for %s while connected; starting a new session",
+                frame.status.name,
+                frame.epoch,
+                self.epoch,
+                self.node_id,
+            )
         elif frame.epoch > self.epoch:
             logger.warning(
                 "another connection uses node id %s (epoch %d > %d)", self.node_id, frame.epoch, self.epoch
             )
+
+    def _renew_session(self, now: float) -> None:
+        """Pump thread: reconnect while a plausible newer LEFT/LOST of ours outranks our session.
+
+        The clock is advanced past that record first, so the new connection's will and ONLINE outrank it.
+        """
+        target = self._to_outrank
+        if self.epoch > target or not self.channel.connection.connected:
+            return
+        if epoch_is_forged(target, now, self.config.presence_max_skew_s):
+            return  # not plausible yet by our clock: our re-announced ONLINE stands in the meantime
+        if now < self._renewed_at + _RENEW_MIN_INTERVAL_S:
+            return
+        self._renewed_at = now
+        self._epochs.advance_past(target)
+        self.channel.connection.drop_link()

@@ -1,15 +1,31 @@
-"""Receiving side of a transfer: reassembly, at-most-once delivery, memory cap, expiry. Pure: no I/O.
+"""Receiving side of a transfer: reassembly, at-most-once delivery, memory budgets, expiry. Pure: no I/O.
 
 The caller feeds decoded frames with the stream they arrived on (the data topic) and the current time; the
 reassembler answers with the ACK frame to publish (if any) and the completed message (if any). Together with
 QoS 1 re-delivery by the broker, "at most once here" plus "re-sent until DONE" gives exactly-once delivery per
 message id to the application.
+
+Memory. A chunk header only *claims* a message size, so nothing is allocated from the claim: chunks are
+appended to a buffer as they arrive and put in order once, at completion. Admission works from the claim: a
+new transfer *reserves* its size plus bookkeeping (:func:`reserved_size`), and never holds more. Reserving,
+rather than counting only bytes held, keeps honest transfers live: an admitted transfer always has room to
+finish, so senders never end up each holding half a message while none completes.
+
+A *sender* is the stream a chunk arrives on (under the broker ACL a node writes only its own outbox). A new
+transfer is REJECTED/TOO_LARGE above ``max_message_bytes``, the application's limit for the stream, or what a
+sender may ever hold; it is dropped (the sender probes and retries later) beyond the sender's own budget
+(``*_per_sender``: ``budget-transfers``, ``budget-bytes``), or beyond a global cap unless the sender is within
+its fair share (cap / senders with partial messages), in which case partial messages of senders above their
+share are evicted, the most stalled first (``evicted``; else ``partials``, ``memory``). So no sender, nor a
+group of them, can lock another out of its share. Everything is counted per stream in ``stats.by_stream``.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fedge.transport.config import TransferSettings
@@ -23,9 +39,20 @@ from fedge.transport.frames import (
     bitmap_set,
 )
 
-__all__ = ["Completed", "Reassembler", "ReceiverStats"]
+__all__ = ["UNATTRIBUTED", "Completed", "Reassembler", "ReceiverStats", "reserved_size"]
 
 logger = logging.getLogger(__name__)
+
+UNATTRIBUTED = "?"
+"""The stream key counts go under once :data:`MAX_COUNTED_STREAMS` streams have counts (bounds the memory an
+unauthenticated publisher inventing topics could make the counters use)."""
+MAX_COUNTED_STREAMS = 10_000
+_SLOT_BYTES = 4  # array("I") entry per chunk: where it sits in the arrival-order buffer
+
+
+def reserved_size(message_size: int, total: int) -> int:
+    """Bytes a partial message of ``total`` chunks reserves: its size, its slot index and its bitmap."""
+    return message_size + _SLOT_BYTES * total + (total + 7) // 8
 
 
 @dataclass(frozen=True)
@@ -39,7 +66,12 @@ class Completed:
 
 @dataclass
 class ReceiverStats:
-    """Counters of one receiver. ``dropped`` maps a reason (e.g. ``checksum``, ``memory``) to a count."""
+    """Counters of one receiver.
+
+    ``dropped`` maps a reason (e.g. ``checksum``, ``memory``) to the frames or transfers thrown away for it;
+    ``by_stream`` maps each stream (topic) to its own reason counts, which also include what was ignored or
+    refused without being a drop (``duplicate``, ``rejected-too-large``, ``rejected-expired``, ``expired``).
+    """
 
     chunks: int = 0
     duplicate_chunks: int = 0
@@ -47,80 +79,159 @@ class ReceiverStats:
     duplicate_messages: int = 0
     expired_transfers: int = 0
     rejected: int = 0
+    evicted: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
+    by_stream: dict[str, Counter[str]] = field(default_factory=dict)
+    changed: set[str] = field(default_factory=set)  # streams counted since the owner last cleared this
+
+    def drop(self, stream: str, reason: str) -> None:
+        """Count a frame or transfer from ``stream`` thrown away for ``reason`` (in both maps)."""
+        self.dropped[reason] += 1
+        self.note(stream, reason)
+
+    def note(self, stream: str, reason: str) -> None:
+        """Count ``reason`` for ``stream`` only (something ignored or refused, not a drop)."""
+        counts = self.by_stream.get(stream)
+        if counts is None:
+            if len(self.by_stream) >= MAX_COUNTED_STREAMS:
+                stream = UNATTRIBUTED
+            counts = self.by_stream.setdefault(stream, Counter())
+        counts[reason] += 1
+        self.changed.add(stream)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Partial:
     message_id: str
     message_size: int
     chunk_size: int
     total: int
     deadline_s: float
-    buffer: bytearray
-    held: bytearray
+    reserved: int
+    held: bytearray  # bitmap of the chunks received
+    data: bytearray = field(default_factory=bytearray)  # every chunk but the last, in arrival order
+    slots: array = field(default_factory=lambda: array("I"))  # slots[i]: the chunk index at data slot i
+    last: bytes = b""  # chunk total - 1, the only one that may be short
     count: int = 0
     since_ack: int = 0
     last_progress_s: float = 0.0
 
+    @property
+    def held_bytes(self) -> int:
+        return len(self.data) + len(self.last)
+
+    def store(self, index: int, payload: memoryview) -> int:
+        """Keep chunk ``index``; return the bytes now held for it."""
+        if index == self.total - 1:
+            self.last = bytes(payload)
+        else:
+            self.data += payload
+            self.slots.append(index)
+        return len(payload)
+
+    def assemble(self) -> bytearray:
+        """The message: chunks moved into place in the arrival buffer (each at most once), then the last."""
+        data, size, count = self.data, self.chunk_size, len(self.slots)
+        if self.slots != array("I", range(count)):
+            where = array("I", bytes(_SLOT_BYTES * count))  # where[i]: the slot holding chunk i
+            for slot, index in enumerate(self.slots):
+                where[index] = slot
+            spare = bytearray(size)
+            with memoryview(data) as view:
+                for start in range(count):
+                    if where[start] == start:
+                        continue
+                    # Follow the cycle: fill the hole at slot ``start`` from wherever its chunk sits.
+                    spare[:] = view[start * size : (start + 1) * size]
+                    hole = start
+                    while (source := where[hole]) != start:
+                        view[hole * size : (hole + 1) * size] = view[source * size : (source + 1) * size]
+                        where[hole], hole = hole, source
+                    view[hole * size : (hole + 1) * size] = spare
+                    where[hole] = hole
+        data += self.last
+        self.data, self.last = bytearray(), b""
+        return data
+
+
+@dataclass
+class _Sender:
+    """What one stream holds: its partial transfers and the bytes they reserve."""
+
+    partials: dict[bytes, _Partial] = field(default_factory=dict)
+    reserved: int = 0
+
 
 class Reassembler:
-    """Collects chunks into messages and decides what to acknowledge.
+    """Collects chunks into messages, enforces per-sender and global budgets, decides what to acknowledge.
 
     Parameters
     ----------
     settings : TransferSettings
-        Uses ``ack_every``, ``max_message_bytes``, ``max_buffered_bytes``, ``max_partial_transfers``,
-        ``max_partial_age_s``, ``dedup_size`` and ``clock_skew_s``.
+        Uses ``ack_every``, ``max_message_bytes``, ``max_buffered_bytes``, ``max_partial_transfers``, their
+        ``*_per_sender`` budgets, ``max_partial_age_s``, ``dedup_size`` and ``clock_skew_s``.
     """
 
     def __init__(self, settings: TransferSettings) -> None:
         self.settings = settings
         self.stats = ReceiverStats()
         self._partials: dict[tuple[str, bytes], _Partial] = {}
+        self._senders: dict[str, _Sender] = {}
         # Keys ("m", stream, message id) and ("t", stream, transfer id) of delivered messages, oldest first.
         self._done: OrderedDict[tuple[str, str, str | bytes], None] = OrderedDict()
-        self._buffered = 0
+        self._reserved = 0
+        self._held = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes partial messages reserve (always <= ``settings.max_buffered_bytes``)."""
+        return self._reserved
 
     @property
     def buffered_bytes(self) -> int:
-        """Bytes held for partial messages (always <= ``settings.max_buffered_bytes``)."""
-        return self._buffered
+        """Bytes of chunks actually held for partial messages (<= :attr:`reserved_bytes`)."""
+        return self._held
 
     @property
     def partial_count(self) -> int:
         """Messages being received."""
         return len(self._partials)
 
+    def sender_usage(self, stream: str) -> tuple[int, int]:
+        """``(partial messages, reserved bytes)`` of one stream."""
+        sender = self._senders.get(stream)
+        return (0, 0) if sender is None else (len(sender.partials), sender.reserved)
+
     def on_data(
-        self, stream: str, frame: DataFrame, now_s: float
+        self, stream: str, frame: DataFrame, now_s: float, message_limit: int | None = None
     ) -> tuple[AckFrame | None, Completed | None]:
-        """Take one chunk; return the ACK to publish (or None) and the completed message (or None)."""
+        """Take one chunk; return the ACK to publish (or None) and the completed message (or None).
+
+        ``message_limit`` is the application's cap on a message from ``stream`` (None: only the settings),
+        applied when the chunk opens a transfer.
+        """
         key = (stream, frame.transfer_id)
         if self._is_done(stream, frame):
-            self.stats.duplicate_chunks += 1
+            self._count_duplicate(stream)
             return AckFrame(frame.transfer_id, AckStatus.DONE, frame.total), None
         partial = self._partials.get(key)
         if partial is None:
-            partial, reject = self._open(key, frame, now_s)
-            if reject is not None:
-                return reject, None
+            partial, reject = self._open(stream, frame, now_s, message_limit)
             if partial is None:
-                return None, None
+                return reject, None
         elif (partial.message_size, partial.chunk_size, partial.message_id) != (
             frame.message_size,
             frame.chunk_size,
             frame.message_id,
         ):
-            self.stats.dropped["mismatch"] += 1
+            self.stats.drop(stream, "mismatch")
             return None, None
         self.stats.chunks += 1
         partial.since_ack += 1
         if bitmap_get(partial.held, frame.index):
-            self.stats.duplicate_chunks += 1
+            self._count_duplicate(stream)
         else:
-            start = frame.index * partial.chunk_size
-            partial.buffer[start : start + len(frame.payload)] = frame.payload
+            self._held += partial.store(frame.index, frame.payload)
             bitmap_set(partial.held, frame.index)
             partial.count += 1
             partial.last_progress_s = now_s
@@ -153,33 +264,32 @@ class Reassembler:
         stale = [key for key, p in self._partials.items() if p.deadline_s < now_s]
         for key in stale:
             self._drop(key)
+            self.stats.note(key[0], "expired")
         self.stats.expired_transfers += len(stale)
         if stale:
             logger.info("dropped %d partial transfers past their deadline", len(stale))
         return len(stale)
 
+    # ------------------------------------------------------------------------------------------ admission
     def _open(
-        self, key: tuple[str, bytes], frame: DataFrame, now_s: float
+        self, stream: str, frame: DataFrame, now_s: float, message_limit: int | None
     ) -> tuple[_Partial | None, AckFrame | None]:
         """Start a transfer for ``frame``, or say why not (a REJECTED ack, or neither when just dropped)."""
         settings = self.settings
         deadline_s = frame.deadline_ms / 1000 + settings.clock_skew_s
         if deadline_s < now_s:
-            self.stats.rejected += 1
-            return None, AckFrame(
-                frame.transfer_id, AckStatus.REJECTED, frame.total, reason=RejectReason.EXPIRED
-            )
-        if frame.message_size > min(settings.max_message_bytes, settings.max_buffered_bytes):
-            self.stats.rejected += 1
-            return None, AckFrame(
-                frame.transfer_id, AckStatus.REJECTED, frame.total, reason=RejectReason.TOO_LARGE
-            )
+            return None, self._reject(stream, frame, RejectReason.EXPIRED)
+        reserved = reserved_size(frame.message_size, frame.total)
+        room = min(settings.max_buffered_bytes, settings.max_buffered_bytes_per_sender)
+        limit = settings.max_message_bytes
+        if message_limit is not None:
+            limit = min(limit, message_limit)
+        if frame.message_size > limit or reserved > room:
+            return None, self._reject(stream, frame, RejectReason.TOO_LARGE)
         # Transient limits: drop without answering; the sender probes later and tries again.
-        if len(self._partials) >= settings.max_partial_transfers:
-            self.stats.dropped["partials"] += 1
-            return None, None
-        if self._buffered + frame.message_size > settings.max_buffered_bytes:
-            self.stats.dropped["memory"] += 1
+        reason = self._admit(stream, reserved)
+        if reason is not None:
+            self.stats.drop(stream, reason)
             return None, None
         partial = _Partial(
             message_id=frame.message_id,
@@ -187,14 +297,60 @@ class Reassembler:
             chunk_size=frame.chunk_size,
             total=frame.total,
             deadline_s=min(deadline_s, now_s + settings.max_partial_age_s),
-            buffer=bytearray(frame.message_size),
+            reserved=reserved,
             held=bytearray((frame.total + 7) // 8),
             last_progress_s=now_s,
         )
-        self._partials[key] = partial
-        self._buffered += frame.message_size
+        sender = self._senders.setdefault(stream, _Sender())
+        sender.partials[frame.transfer_id] = partial
+        sender.reserved += reserved
+        self._partials[(stream, frame.transfer_id)] = partial
+        self._reserved += reserved
         return partial, None
 
+    def _reject(self, stream: str, frame: DataFrame, reason: RejectReason) -> AckFrame:
+        self.stats.rejected += 1
+        self.stats.note(stream, f"rejected-{reason.name.lower().replace('_', '-')}")
+        return AckFrame(frame.transfer_id, AckStatus.REJECTED, frame.total, reason=reason)
+
+    def _admit(self, stream: str, reserved: int) -> str | None:
+        """Make room for a new transfer of ``stream``; return why it cannot have any, or None."""
+        settings = self.settings
+        mine = self._senders.get(stream) or _Sender()
+        if len(mine.partials) >= settings.max_partial_transfers_per_sender:
+            return "budget-transfers"
+        if mine.reserved + reserved > settings.max_buffered_bytes_per_sender:
+            return "budget-bytes"
+        senders = len(self._senders) + (stream not in self._senders)
+        count_share = settings.max_partial_transfers / senders
+        byte_share = settings.max_buffered_bytes / senders
+        short_of_partials = len(self._partials) + 1 > settings.max_partial_transfers
+        short_of_memory = self._reserved + reserved > settings.max_buffered_bytes
+        # Decide before evicting anything: a sender beyond its fair share must not cost others a transfer.
+        if short_of_partials and len(mine.partials) + 1 > count_share:
+            return "partials"
+        if short_of_memory and mine.reserved + reserved > byte_share:
+            return "memory"
+        # Everyone else at or below the share leaves room for one within it, so these loops end with room.
+        while len(self._partials) + 1 > settings.max_partial_transfers:
+            self._evict(lambda s: len(s.partials), count_share)
+        while self._reserved + reserved > settings.max_buffered_bytes:
+            self._evict(lambda s: s.reserved, byte_share)
+        return None
+
+    def _evict(self, usage: Callable[[_Sender], float], share: float) -> None:
+        """Drop the most stalled partial of the sender furthest above ``share`` (by ``usage``)."""
+        stream, sender = max(
+            ((s, sender) for s, sender in self._senders.items() if usage(sender) > share),
+            key=lambda item: usage(item[1]),
+        )
+        transfer_id, _ = min(sender.partials.items(), key=lambda item: item[1].last_progress_s)
+        self._drop((stream, transfer_id))
+        self.stats.evicted += 1
+        self.stats.drop(stream, "evicted")
+        logger.debug("evicted a partial message of %s to make room for a sender within its share", stream)
+
+    # ----------------------------------------------------------------------------------------- completion
     def _complete(
         self, key: tuple[str, bytes], partial: _Partial, transfer_id: bytes
     ) -> tuple[AckFrame, Completed]:
@@ -204,8 +360,12 @@ class Reassembler:
         self._remember(("t", stream, transfer_id))
         self.stats.delivered += 1
         return AckFrame(transfer_id, AckStatus.DONE, partial.total), Completed(
-            stream, partial.message_id, partial.buffer
+            stream, partial.message_id, partial.assemble()
         )
+
+    def _count_duplicate(self, stream: str) -> None:
+        self.stats.duplicate_chunks += 1
+        self.stats.note(stream, "duplicate")
 
     def _is_done(self, stream: str, frame: DataFrame) -> bool:
         if ("t", stream, frame.transfer_id) in self._done:
@@ -224,5 +384,12 @@ class Reassembler:
             self._done.popitem(last=False)
 
     def _drop(self, key: tuple[str, bytes]) -> None:
+        """Forget a partial transfer (completed, expired or evicted) and give back what it reserved."""
         partial = self._partials.pop(key)
-        self._buffered -= partial.message_size
+        sender = self._senders[key[0]]
+        del sender.partials[key[1]]
+        sender.reserved -= partial.reserved
+        if not sender.partials:
+            del self._senders[key[0]]
+        self._reserved -= partial.reserved
+        self._held -= partial.held_bytes

@@ -16,7 +16,7 @@ from fedge.transport.frames import (
     bitmap_set,
     decode_frame,
 )
-from fedge.transport.receiver import Reassembler
+from fedge.transport.receiver import Reassembler, reserved_size
 from fedge.transport.sender import OutgoingTransfer, SenderStats, TransferError
 
 STREAM = "fedge/t/node/n1/in"
@@ -90,13 +90,13 @@ def test_new_messages_beyond_the_memory_cap_are_dropped_until_room_frees() -> No
     receiver = Reassembler(TransferSettings(max_buffered_bytes=100, max_partial_age_s=10))
     big_a, big_b = _transfer(bytes(70)), _transfer(bytes(70))
     assert receiver.on_data(STREAM, _chunks(big_a, [0])[0], 0.0) == (None, None)
-    assert receiver.buffered_bytes == 70
+    assert receiver.reserved_bytes == reserved_size(70, 7) == 99 and receiver.buffered_bytes == 10
     assert receiver.on_data(STREAM, _chunks(big_b, [0])[0], 0.0) == (None, None)
-    assert receiver.stats.dropped["memory"] == 1 and receiver.buffered_bytes == 70
+    assert receiver.stats.dropped["memory"] == 1 and receiver.reserved_bytes == 99
     # The first transfer stalls; at its age limit it expires and frees the room.
-    assert receiver.expire(now_s=11.0) == 1 and receiver.buffered_bytes == 0
+    assert receiver.expire(now_s=11.0) == 1 and receiver.reserved_bytes == receiver.buffered_bytes == 0
     assert receiver.on_data(STREAM, _chunks(big_b, [0])[0], 11.0) == (None, None)
-    assert receiver.buffered_bytes == 70
+    assert receiver.reserved_bytes == 99
 
 
 def test_partial_transfers_expire_at_their_deadline() -> None:
