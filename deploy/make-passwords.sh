@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Generate the secrets of a fedge fleet: an MQTT password per node and for the coordinator, and a signing key
-# per node.
+# Generate the secrets of a fedge fleet: an MQTT password per node and for the coordinator, a signing key
+# per node, and the coordinator's instruction key pair.
 #
-#   deploy/make-passwords.sh [-d DIR] [-r] [-o OWNER] [-b BROKER_OWNER] (-n COUNT | NODE_ID...)
+#   deploy/make-passwords.sh [-d DIR] [-r | -i] [-o OWNER] [-b BROKER_OWNER] (-n COUNT | NODE_ID...)
 #
 #   -d DIR           output directory (default: deploy/secrets next to this script)
 #   -r               rotate: new secrets for everyone (by default existing ones are kept)
+#   -i               rotate only the coordinator's instruction key: its public key is kept as previous.pub
+#                    for agents to trust until the coordinator signs with the new one (docs/deployment.md)
 #   -o OWNER         chown the credential files to OWNER (user[:group]) so the fedge service can read them
 #                    (10001:10001 is the fedge user in deploy/Dockerfile; needs root)
 #   -b BROKER_OWNER  chown the broker's password file (1883:1883 is mosquitto in eclipse-mosquitto; needs root)
@@ -18,6 +20,11 @@
 #   DIR/credentials/<user>.password    the plain password of one client, for [mqtt] password_file
 #   DIR/node-keys/<node>.key           the node's HMAC key: the agent's signing_key_file, and the coordinator's
 #                                      node_keys_dir holds them all (replies must then be signed)
+#   DIR/instruction-keys/coordinator.key  the coordinator's Ed25519 private key (PEM): its instruction_key_file
+#   DIR/instruction-keys/coordinator.pub  its public key, for every agent's instruction_key_files (agents then
+#                                      run only instructions the coordinator signed); not secret, but keep it
+#                                      from being replaced
+#   DIR/instruction-keys/previous.pub  after -i: the public key being replaced
 # The MQTT username of a node is its node id (the broker ACL isolates nodes by username); the coordinator's
 # is "coordinator". Re-running keeps the secrets of users it names (so adding a node changes nothing for the
 # others), makes them for new ones, and deletes those of nodes it no longer names: the password file and
@@ -28,11 +35,12 @@ usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" 
 die() { echo "make-passwords.sh: $*" >&2; exit 2; }
 
 out_dir="$(cd "$(dirname "$0")" && pwd)/secrets"
-owner="" broker_owner="" count="" rotate=""
-while getopts "d:ro:b:n:h" opt; do
+owner="" broker_owner="" count="" rotate="" rotate_instruction_key=""
+while getopts "d:rio:b:n:h" opt; do
     case "$opt" in
         d) out_dir="$OPTARG" ;;
         r) rotate=1 ;;
+        i) rotate_instruction_key=1 ;;
         o) owner="$OPTARG" ;;
         b) broker_owner="$OPTARG" ;;
         n) count="$OPTARG" ;;
@@ -48,7 +56,9 @@ if [[ -n "$count" ]]; then
     for ((i = 1; i <= count; i++)); do nodes+=("node-$i"); done
 fi
 [[ ${#nodes[@]} -gt 0 ]] || usage
+[[ -z "$rotate" || -z "$rotate_instruction_key" ]] || die "give -r (everything) or -i (the instruction key), not both"
 command -v mosquitto_passwd >/dev/null || die "mosquitto_passwd not found (apt-get install mosquitto)"
+command -v openssl >/dev/null || die "openssl not found (apt-get install openssl)"
 
 declare -A seen=()
 for node in "${nodes[@]}"; do
@@ -71,8 +81,9 @@ random_key() {
 }
 
 umask 077
-mkdir -p "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys"
-chmod 700 "$out_dir" "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys"
+keys="$out_dir/instruction-keys"
+mkdir -p "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys" "$keys"
+chmod 700 "$out_dir" "$out_dir/mosquitto" "$out_dir/credentials" "$out_dir/node-keys" "$keys"
 # Secrets of nodes left out of this run must not linger (the coordinator trusts every key in node-keys/).
 for file in "$out_dir"/credentials/*.password "$out_dir"/node-keys/*.key; do
     [[ -e "$file" ]] || continue
@@ -95,6 +106,22 @@ done
 for node in "${nodes[@]}"; do
     keep_or_make "$out_dir/node-keys/$node.key" random_key > /dev/null
 done
+
+# The coordinator's instruction key: Ed25519, so agents hold only the public half and a compromised device
+# cannot sign instructions for the others. -r starts afresh; -i keeps the old public key for the changeover.
+if [[ -n "$rotate" ]]; then
+    rm -f "$keys/coordinator.key" "$keys/coordinator.pub" "$keys/previous.pub"
+elif [[ -n "$rotate_instruction_key" && -s "$keys/coordinator.pub" ]]; then
+    mv -f "$keys/coordinator.pub" "$keys/previous.pub"
+    rm -f "$keys/coordinator.key"
+fi
+if [[ ! -s "$keys/coordinator.key" || ! -s "$keys/coordinator.pub" ]]; then
+    openssl genpkey -algorithm ed25519 -out "$keys/.coordinator.key.new" 2>/dev/null \
+        || die "openssl cannot make an Ed25519 key (OpenSSL 1.1.1 or later is needed)"
+    openssl pkey -in "$keys/.coordinator.key.new" -pubout -out "$keys/.coordinator.pub.new" 2>/dev/null
+    mv -f "$keys/.coordinator.pub.new" "$keys/coordinator.pub"
+    mv -f "$keys/.coordinator.key.new" "$keys/coordinator.key"
+fi
 # -U hashes a plain "user:password" file in place, so passwords never reach a command line.
 mosquitto_passwd -U "$plain"
 mv -f "$plain" "$out_dir/mosquitto/passwd"
@@ -102,9 +129,9 @@ trap - EXIT
 
 if [[ -n "$owner" ]]; then
     chown "$owner" "$out_dir/credentials" "$out_dir"/credentials/*.password "$out_dir/node-keys" \
-        "$out_dir"/node-keys/*.key
+        "$out_dir"/node-keys/*.key "$keys" "$keys"/*
 fi
 if [[ -n "$broker_owner" ]]; then
     chown "$broker_owner" "$out_dir/mosquitto" "$out_dir/mosquitto/passwd"
 fi
-echo "wrote $out_dir/mosquitto/passwd, credentials and node keys for coordinator, ${nodes[*]}"
+echo "wrote $out_dir/mosquitto/passwd, credentials and node keys for coordinator, ${nodes[*]}, instruction keys"

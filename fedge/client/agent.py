@@ -1,23 +1,36 @@
 """The device agent: runs a Flower ClientApp for every instruction that reaches this node over MQTT.
 
-Crash safety. An instruction is written to ``state_dir/inbox`` before it is worked on; the node's ``Context``
-(with error-feedback residuals and anything else the ClientApp keeps in ``context.state``) and the reply are
-written together, atomically, to ``state_dir/state.bin`` before the reply is sent. After a ``kill -9`` the
-agent finds the instruction again: if its reply was already made, that reply is sent again (the coordinator
-keeps the first copy that arrives); otherwise the ClientApp runs again from the last saved Context, so an
-update is never applied to the residuals twice.
+What it runs. Only the ClientApp its own configuration names, and only for instructions whose task (the
+``"task"`` key of the ``"config"`` ConfigRecord, which the reference ClientApp imports) is in its ``tasks``
+allow-list. With the coordinator's public keys configured (``instruction_keys``), an instruction the
+coordinator did not sign is not even decoded. Whoever can write this node's inbox (an anonymous or
+compromised broker) therefore cannot make it import a module of their choosing. An instruction it will
+not run (too large, unsigned or badly signed, undecodable, for another node, expired, a task not allowed)
+is logged and answered at once with a refusal (:mod:`fedge.transport.signing`): the round need not wait.
+
+Exactly once. An instruction is written to ``state_dir/inbox`` before it is worked on; the node's ``Context``
+(with error-feedback residuals and anything else the ClientApp keeps in ``context.state``), the reply and a
+journal of answered instruction ids with their expiry are written together, atomically, to
+``state_dir/state.bin`` before the reply is sent. The transport's own memory of what it delivered does not
+survive a restart, so after one an instruction may come again, from the inbox directory (``kill -9`` while
+working) or from the coordinator (a redelivery). The last one answered gets its reply again (the
+coordinator keeps the first copy that arrives); an older answered one is dropped with a log line (its reply
+is no longer held); otherwise the ClientApp runs from the last saved Context. No instruction is run twice,
+so an update is never applied to the residuals twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import struct
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -32,16 +45,31 @@ from fedge.flower.compat import (
     message_from_bytes,
     message_to_bytes,
 )
-from fedge.flower.node import call_client_app, make_context
+from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.importing import import_attribute
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id, validate_name
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import Delivery, NodeEndpoint
-from fedge.transport.signing import sign
+from fedge.transport.signing import (
+    INSTRUCTION_REFUSED,
+    InstructionVerifier,
+    Refusal,
+    SignatureError,
+    encode_refusal,
+    is_signed_instruction,
+    load_public_key,
+    sign,
+    strip_instruction_signature,
+)
 
-__all__ = ["AgentConfig", "DeviceAgent", "load_client_app"]
+__all__ = ["REFERENCE_TASK", "AgentConfig", "DeviceAgent", "load_client_app"]
 
 log = logging.getLogger(__name__)
+
+REFERENCE_TASK = "fedge.app.task:DigitsTask"
+"""The one task an agent runs unless its configuration lists others."""
+
+_JOURNAL_SIZE = 4096  # answered ids kept (about 60 bytes each) before the earliest-expiring are evicted
 
 
 @dataclass
@@ -53,9 +81,10 @@ class AgentConfig:
     node_id : str
         This node's name on the wire (and its MQTT username in the deploy configuration).
     mqtt : MqttConfig
-        Broker, credentials, TLS, reconnect back-off and transfer limits (``max_buffered_bytes`` caps memory).
+        Broker, credentials, TLS, reconnect back-off and transfer limits (``max_buffered_bytes`` caps memory;
+        ``transfer.clock_skew_s`` is also the tolerance when checking an instruction's expiry).
     state_dir : str
-        Where the Context, pending instructions and the last reply survive restarts.
+        Where the Context, pending instructions, the last reply and the journal survive restarts.
     client_app : str (default: "fedge.app.client_app:app")
         Import path of the Flower ClientApp to run.
     node_config : dict
@@ -64,6 +93,13 @@ class AgentConfig:
         Per-node HMAC key; replies are signed when set.
     max_instruction_bytes : int (default: 256 MiB)
         Larger instructions are refused before decoding.
+    tasks : tuple of str (default: ("fedge.app.task:DigitsTask",))
+        The tasks this agent may run, exactly as instructions name them (``package.module:TaskClass`` or
+        ``path/to/file.py:TaskClass``); an instruction naming any other task is refused before the
+        ClientApp runs, so nothing it names is imported.
+    instruction_keys : tuple of bytes (default: ())
+        Raw 32-byte Ed25519 public keys of the coordinator (TOML: ``instruction_key_files``, PEM files).
+        When set, only instructions signed by one of them are run; two during a key rotation.
     """
 
     node_id: str
@@ -73,6 +109,8 @@ class AgentConfig:
     node_config: dict[str, Any] = field(default_factory=dict)
     signing_key: bytes | None = None
     max_instruction_bytes: int = 256 * 1024 * 1024
+    tasks: tuple[str, ...] = (REFERENCE_TASK,)
+    instruction_keys: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -86,15 +124,33 @@ class AgentConfig:
             raise ConfigError(f"max_instruction_bytes must be >= 1, got {self.max_instruction_bytes}")
         if self.signing_key is not None and not self.signing_key:
             raise ConfigError("signing key is empty")
+        for task in self.tasks:
+            module, sep, name = task.rpartition(":")
+            if not (sep and module and name):
+                raise ConfigError(
+                    f"tasks entry {task!r} must be 'package.module:TaskClass' or 'file.py:TaskClass'"
+                )
+        for key in self.instruction_keys:
+            if len(key) != 32:
+                raise ConfigError(f"an instruction key must be a 32-byte Ed25519 public key, got {len(key)}")
 
     @classmethod
     def from_toml(cls, path: str | Path) -> AgentConfig:
-        """``node_id``, ``state_dir``, ``client_app``, ``signing_key_file`` at the top level, an ``[mqtt]``
-        table and a ``[node_config]`` table; the MQTT username defaults to the node id."""
+        """``node_id``, ``state_dir``, ``client_app``, ``signing_key_file``, ``tasks``,
+        ``instruction_key_files`` (a list of PEM public keys) at the top level, an ``[mqtt]`` table and a
+        ``[node_config]`` table; the MQTT username defaults to the node id."""
         values = read_toml(path)
         key_file = values.pop("signing_key_file", None)
         if key_file is not None:
             values["signing_key"] = read_secret(key_file, "signing key").encode()
+        key_files = values.pop("instruction_key_files", None)
+        if key_files is not None:
+            if not (isinstance(key_files, list) and key_files and all(isinstance(f, str) for f in key_files)):
+                raise ConfigError(
+                    "instruction_key_files must be a non-empty list of file names "
+                    "(leave it out to run unsigned instructions)"
+                )
+            values["instruction_keys"] = [load_public_key(f) for f in key_files]
         mqtt = MqttConfig.from_table(values.pop("mqtt", {}))
         node_id = values.get("node_id")
         if mqtt.username is None and isinstance(node_id, str):
@@ -110,25 +166,76 @@ def load_client_app(path: str) -> ClientApp:
     return app
 
 
+class _Refused(Exception):
+    """Raised while admitting an instruction; ``message`` is set once it decoded and is this node's."""
+
+    def __init__(self, reason: str, detail: str, message: Message | None = None) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.refusal, self.message = Refusal(reason, detail), message
+
+
+@dataclass
+class _Journal:
+    """Answered instruction ids and when each instruction expires (Unix seconds, the coordinator's clock)."""
+
+    answered: dict[str, float] = field(default_factory=dict)
+    floor: float = 0.0  # the latest expiry ever evicted unexpired: anything expiring no later is refused
+
+    def add(self, instruction_id: str, expires_at: float, now: float, skew_s: float) -> None:
+        # An expired instruction is refused anyway, so its id need not be kept; beyond the bound, keep the
+        # latest-expiring and raise the floor so an evicted one cannot come back.
+        entries = {i: e for i, e in self.answered.items() if e + skew_s >= now}
+        entries[instruction_id] = expires_at
+        if len(entries) > _JOURNAL_SIZE:
+            ordered = sorted(entries.items(), key=lambda item: item[1])
+            cut = len(ordered) - _JOURNAL_SIZE
+            self.floor = max(self.floor, ordered[cut - 1][1])
+            entries = dict(ordered[cut:])
+        self.answered = entries
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"floor": self.floor, "answered": self.answered}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> _Journal:
+        fields = json.loads(data)
+        return cls({str(i): float(e) for i, e in fields["answered"].items()}, float(fields["floor"]))
+
+
+class _State(NamedTuple):
+    """What ``state.bin`` holds (a tuple: ``_load_state()[1]`` is the last id, as it always was)."""
+
+    context: Context | None
+    last_id: str
+    last_reply: bytes
+    journal: _Journal
+
+    @classmethod
+    def empty(cls) -> _State:
+        return cls(None, "", b"", _Journal())
+
+
 class DeviceAgent:
-    """Connects to the broker, runs the ClientApp per instruction, keeps its state on disk.
+    """Connects to the broker, runs the ClientApp per admitted instruction, keeps its state on disk.
 
     Parameters
     ----------
     config : AgentConfig
-        Who this node is, where the broker is, where state lives.
+        Who this node is, where the broker is, where state lives, what it may run and whom it trusts.
     """
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.flower_node_id = flower_node_id(config.node_id)
         self._app = load_client_app(config.client_app)
+        self._verifier = InstructionVerifier(config.instruction_keys) if config.instruction_keys else None
         self._state_dir = Path(config.state_dir)
         self._inbox_dir = self._state_dir / "inbox"
         self._inbox_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._endpoint = NodeEndpoint(config.mqtt, config.node_id, on_message=self._on_delivery)
         self.handled = 0
+        self.refused: Counter[str] = Counter()
 
     def start(self) -> None:
         """Connect, report the device profile and finish instructions left by a crash."""
@@ -156,33 +263,97 @@ class DeviceAgent:
     # -- instructions ----------------------------------------------------------------------------------
 
     def _on_delivery(self, delivery: Delivery) -> None:
-        if len(delivery.payload) > self.config.max_instruction_bytes:
-            log.warning("instruction %s of %d bytes refused", delivery.message_id, len(delivery.payload))
+        instruction_id = _safe(delivery.message_id)
+        size, limit = len(delivery.payload), self.config.max_instruction_bytes
+        if size > limit:
+            refused = _Refused("too-large", f"{size} bytes; this agent takes at most {limit}")
+            self._send(instruction_id, self._refusal_bytes(instruction_id, refused))
             return
-        path = self._inbox_dir / f"{_safe(delivery.message_id)}.msg"
+        path = self._inbox_dir / f"{instruction_id}.msg"
         write_bytes_atomic(path, bytes(delivery.payload))
-        self._process(path.stem, bytes(delivery.payload))
+        self._process(instruction_id, bytes(delivery.payload))
 
     def _process(self, instruction_id: str, payload: bytes) -> None:
+        inbox_file = self._inbox_dir / f"{instruction_id}.msg"
         with self._lock:
-            saved_context, last_id, last_reply = self._load_state()
-            if last_id == instruction_id:
-                reply_bytes = last_reply
+            state = self._load_state()
+            if instruction_id == state.last_id:
+                log.info("instruction %s was answered already; its reply is sent again", instruction_id)
+                reply_bytes = state.last_reply
+            elif instruction_id in state.journal.answered:
+                log.info(
+                    "instruction %s was answered before and its reply is no longer held; dropped",
+                    instruction_id,
+                )
+                inbox_file.unlink(missing_ok=True)
+                return
             else:
                 try:
-                    message = message_from_bytes(payload, max_bytes=self.config.max_instruction_bytes)
-                except MessageDecodeError as err:
-                    log.warning("instruction %s does not decode: %s", instruction_id, err)
-                    (self._inbox_dir / f"{instruction_id}.msg").unlink(missing_ok=True)
-                    return
-                context = saved_context or self._fresh_context(message.metadata.run_id)
-                reply_bytes = message_to_bytes(self._run_app(message, context))
-                if self.config.signing_key is not None:
-                    reply_bytes = sign(self.config.signing_key, reply_bytes)
-                self._save_state(context, instruction_id, reply_bytes)
-                self.handled += 1
-            (self._inbox_dir / f"{instruction_id}.msg").unlink(missing_ok=True)
-        self._endpoint.send(reply_bytes, message_id=f"{REPLY_PREFIX}{instruction_id}")
+                    message = self._admit(instruction_id, payload, state.journal)
+                except _Refused as refused:
+                    reply_bytes = self._refusal_bytes(instruction_id, refused)
+                else:
+                    context = state.context or self._fresh_context(message.metadata.run_id)
+                    reply_bytes = self._sign(message_to_bytes(self._run_app(message, context)))
+                    expires_at = message.metadata.created_at + message.metadata.ttl
+                    state.journal.add(instruction_id, expires_at, time.time(), self._skew_s)
+                    self._save_state(context, instruction_id, reply_bytes, state.journal)
+                    self.handled += 1
+            inbox_file.unlink(missing_ok=True)
+        self._send(instruction_id, reply_bytes)
+
+    def _admit(self, instruction_id: str, payload: bytes, journal: _Journal) -> Message:
+        """The instruction as a Flower message, if this agent will run it; else raise :class:`_Refused`."""
+        body = payload
+        if self._verifier is not None:
+            try:
+                body = self._verifier.verify(self.config.node_id, instruction_id, payload)
+            except SignatureError as err:
+                raise _Refused("signature", str(err)) from None
+        elif is_signed_instruction(payload):
+            body = strip_instruction_signature(payload)  # no coordinator key configured: nothing to check
+        try:
+            message = message_from_bytes(body, max_bytes=self.config.max_instruction_bytes)
+        except MessageDecodeError as err:
+            raise _Refused("undecodable", str(err)) from None
+        metadata = message.metadata
+        if metadata.dst_node_id != self.flower_node_id or metadata.message_id != instruction_id:
+            # Not answerable as a Flower reply: the coordinator matches replies by these very fields.
+            raise _Refused(
+                "wrong-recipient", f"message {metadata.message_id!r} for Flower node {metadata.dst_node_id}"
+            )
+        expires_at = metadata.created_at + metadata.ttl
+        if time.time() > expires_at + self._skew_s:
+            raise _Refused("expired", f"expired at {expires_at:.0f} (Unix time)", message)
+        if expires_at <= journal.floor:
+            raise _Refused(
+                "stale", "older than instructions this agent no longer remembers answering", message
+            )
+        config = message.content.config_records.get("config") if message.has_content() else None
+        if config is not None and "task" in config:
+            task = config["task"]
+            if not isinstance(task, str) or task not in self.config.tasks:
+                raise _Refused("task-not-allowed", f"task {task!r} is not in this agent's tasks", message)
+        return message
+
+    def _refusal_bytes(self, instruction_id: str, refused: _Refused) -> bytes:
+        """A Flower error reply if the instruction decoded, else a refusal notice; logged and counted."""
+        log.warning("refused instruction %s: %s", instruction_id, refused.refusal)
+        self.refused[refused.refusal.reason] += 1
+        if refused.message is not None:
+            reply = error_reply(refused.message, INSTRUCTION_REFUSED, str(refused.refusal))
+            return self._sign(message_to_bytes(reply))
+        return self._sign(encode_refusal(refused.refusal))
+
+    def _sign(self, reply: bytes) -> bytes:
+        return reply if self.config.signing_key is None else sign(self.config.signing_key, reply)
+
+    def _send(self, instruction_id: str, reply: bytes) -> None:
+        self._endpoint.send(reply, message_id=f"{REPLY_PREFIX}{instruction_id}")
+
+    @property
+    def _skew_s(self) -> float:
+        return self.config.mqtt.transfer.clock_skew_s
 
     def _run_app(self, message: Message, context: Context) -> Message:
         started = time.perf_counter()
@@ -195,34 +366,34 @@ class DeviceAgent:
             run_id, self.flower_node_id, {"node-name": self.config.node_id, **self.config.node_config}
         )
 
-    # -- state file: context, then the id and bytes of the last reply, each length-prefixed ---------------
+    # -- state file: context, id and bytes of the last reply, journal; each length-prefixed ---------------
 
-    def _load_state(self) -> tuple[Context | None, str, bytes]:
+    def _load_state(self) -> _State:
         path = self._state_dir / "state.bin"
         if not path.exists():
-            return None, "", b""
-        data = path.read_bytes()
+            return _State.empty()
         try:
-            parts = _unpack(data, 3)
+            parts = _unpack(path.read_bytes())
+            if len(parts) < 3:
+                raise ValueError("truncated")
             context = context_from_bytes(parts[0]) if parts[0] else None
-            return context, parts[1].decode(), parts[2]
-        except (ValueError, MessageDecodeError, UnicodeDecodeError) as err:
+            # A state file from before the journal existed has three parts.
+            journal = _Journal.from_bytes(parts[3]) if len(parts) > 3 else _Journal()
+            return _State(context, parts[1].decode(), parts[2], journal)
+        except (ValueError, KeyError, TypeError, AttributeError, MessageDecodeError) as err:
             log.error("state file %s is damaged (%s); starting from a fresh context", path, err)
-            return None, "", b""
+            return _State.empty()
 
-    def _save_state(self, context: Context, instruction_id: str, reply: bytes) -> None:
+    def _save_state(self, context: Context, instruction_id: str, reply: bytes, journal: _Journal) -> None:
+        parts = [context_to_bytes(context), instruction_id.encode(), reply, journal.to_bytes()]
         write_bytes_atomic(
-            self._state_dir / "state.bin", _pack([context_to_bytes(context), instruction_id.encode(), reply])
+            self._state_dir / "state.bin", b"".join(struct.pack(">Q", len(p)) + p for p in parts)
         )
 
 
-def _pack(parts: list[bytes]) -> bytes:
-    return b"".join(struct.pack(">Q", len(p)) + p for p in parts)
-
-
-def _unpack(data: bytes, count: int) -> list[bytes]:
+def _unpack(data: bytes) -> list[bytes]:
     parts, offset = [], 0
-    for _ in range(count):
+    while offset < len(data):
         if offset + 8 > len(data):
             raise ValueError("truncated")
         (size,) = struct.unpack_from(">Q", data, offset)
@@ -235,5 +406,8 @@ def _unpack(data: bytes, count: int) -> list[bytes]:
 
 
 def _safe(message_id: str) -> str:
-    """Instruction ids come from the coordinator; keep them to file-name characters."""
+    """Instruction ids come from the coordinator; keep them to file-name characters.
+
+    MqttGrid's ids are hex and pass unchanged, which the signature and metadata checks rely on (an inbox
+    file found after a restart is known by this name only)."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in message_id)[:128]

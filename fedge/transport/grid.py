@@ -5,6 +5,12 @@ expiry; each reply comes back on the node's outbox. The Grid samples only among 
 checks that a reply's sender matches the topic it came on and that it answers an instruction still awaited,
 and hands every instruction at most one reply: duplicates and late replies to an earlier round are dropped,
 logged and counted. Nodes are named by strings on the wire; Flower sees a stable 63-bit id per name.
+
+With the coordinator's instruction key, every instruction is signed (Ed25519, :mod:`fedge.transport.signing`)
+for its node and message id. An agent that refuses an instruction answers at once, either with a Flower
+error reply (code ``INSTRUCTION_REFUSED``) or, if it could not decode or verify the instruction, with a
+refusal notice on message id ``reply:<instruction id>``, which the Grid turns into that same error reply.
+Either way the round stops waiting for the node, and the refusal is audited as ``refused``.
 """
 
 from __future__ import annotations
@@ -15,21 +21,31 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from copy import deepcopy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from flwr.app import Message
+from flwr.app import Error, Message, Metadata, RecordDict
 
 from fedge.config import ConfigError
 from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import MessageDecodeError, MessageEncoder, message_from_bytes
 from fedge.flower.compat import set_message_id as _set_message_id
 from fedge.flower.grid import RunGrid
-from fedge.protocol.fleet import PROFILE_PREFIX, flower_node_id
+from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
 from fedge.transport.sender import TransferError
-from fedge.transport.signing import SignatureError, verify
+from fedge.transport.signing import (
+    INSTRUCTION_REFUSED,
+    InstructionSigner,
+    Refusal,
+    SignatureError,
+    decode_refusal,
+    is_refusal,
+    verify,
+)
 
 __all__ = ["MqttGrid"]
 
@@ -42,6 +58,7 @@ _FORGET_AFTER = 100_000  # answered or abandoned instruction ids remembered, to 
 class _Awaited:
     node: str
     server_round: str
+    metadata: Metadata  # the instruction's, to answer it with an error reply on the node's behalf
 
 
 class MqttGrid(RunGrid):
@@ -56,7 +73,11 @@ class MqttGrid(RunGrid):
     max_message_bytes : int (default: 256 MiB)
         Replies larger than this are refused before decoding.
     audit : callable(dict), optional
-        Told of every reply's fate: ``{"event": "accepted" | "rejected", "node", "round", "reason", ...}``.
+        Told of every reply's fate: ``{"event": "accepted" | "rejected" | "refused", "node", "round",
+        "reason", ...}`` (``refused``: the node answered that it will not run the instruction, and why).
+    instruction_key : InstructionSigner, str or Path, optional
+        The coordinator's Ed25519 private key (or the path of its PEM file); every instruction is signed
+        with it, and agents configured with its public key refuse anything else.
     """
 
     def __init__(
@@ -66,8 +87,12 @@ class MqttGrid(RunGrid):
         node_keys: Mapping[str, bytes] | None = None,
         max_message_bytes: int = 256 * 1024 * 1024,
         audit: Callable[[dict[str, Any]], None] | None = None,
+        instruction_key: InstructionSigner | str | Path | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(instruction_key, str | Path):
+            instruction_key = InstructionSigner.from_file(instruction_key)
+        self._signer = instruction_key
         self._node_keys = dict(node_keys) if node_keys is not None else None
         self._max_message_bytes = max_message_bytes
         self._audit = audit
@@ -77,6 +102,7 @@ class MqttGrid(RunGrid):
         self._finished: OrderedDict[str, None] = OrderedDict()
         self.profiles: dict[str, DeviceProfile] = {}
         self.dropped: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter()
         self.endpoint = CoordinatorEndpoint(config, on_message=self._on_delivery)
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -141,10 +167,12 @@ class MqttGrid(RunGrid):
             message_id = uuid.uuid4().hex
             _set_message_id(message, message_id)
             with self._cond:
-                self._awaited[message_id] = _Awaited(name, _round_of(message))
+                self._awaited[message_id] = _Awaited(name, _round_of(message), deepcopy(message.metadata))
             payload = encoder.encode(message)
+            # Signed per node: the signature binds the recipient and the message id, not just the bytes.
+            wire = payload if self._signer is None else self._signer.sign(name, message_id, payload)
             try:
-                self.endpoint.send(name, payload, message_id=message_id, expiry_s=message.metadata.ttl)
+                self.endpoint.send(name, wire, message_id=message_id, expiry_s=message.metadata.ttl)
             except (ValueError, TransferError) as err:  # too large, or the channel is closing
                 log.error("instruction for node %s not sent: %s", name, err)
                 with self._cond:
@@ -190,18 +218,50 @@ class MqttGrid(RunGrid):
             except SignatureError as err:
                 self._reject(delivery.node_id, "?", "signature", str(err))
                 return
+        if is_refusal(payload):
+            self._on_refusal(delivery, payload)
+            return
         try:
             reply = message_from_bytes(payload, max_bytes=self._max_message_bytes)
         except MessageDecodeError as err:
             self._reject(delivery.node_id, "?", "undecodable", str(err))
             return
-        instruction_id = reply.metadata.reply_to_message_id
+        self._settle(delivery, reply.metadata.reply_to_message_id, lambda awaited: reply)
+
+    def _on_refusal(self, delivery: Delivery, payload: bytes) -> None:
+        """A node could not decode or verify an instruction: answer it with a Flower error on its behalf.
+
+        Nothing in the notice names the instruction: the transport message id, ``reply:<instruction id>``,
+        does (the node can only publish on its own outbox, so it can only refuse its own instructions).
+        """
+        instruction_id = delivery.message_id.removeprefix(REPLY_PREFIX)
+        try:
+            if instruction_id == delivery.message_id:
+                raise ValueError(
+                    f"refusal notice with message id {delivery.message_id!r}, not {REPLY_PREFIX}<id>"
+                )
+            refusal = decode_refusal(payload)
+        except ValueError as err:
+            self._reject(delivery.node_id, "?", "undecodable", str(err))
+            return
+
+        def error_reply(awaited: _Awaited) -> Message:
+            instruction = Message(metadata=deepcopy(awaited.metadata), content=RecordDict())
+            return Message(Error(code=INSTRUCTION_REFUSED, reason=str(refusal)), reply_to=instruction)
+
+        self._settle(delivery, instruction_id, error_reply)
+
+    def _settle(
+        self, delivery: Delivery, instruction_id: str, reply_for: Callable[[_Awaited], Message]
+    ) -> None:
+        """Hand ``reply_for(awaited)`` to the ServerApp if it answers an awaited instruction of that node."""
         with self._cond:
             awaited = self._awaited.get(instruction_id)
             if awaited is None:
                 reason = "late" if instruction_id in self._finished else "unknown-instruction"
                 self._reject(delivery.node_id, "?", reason, f"reply to {instruction_id!r}")
                 return
+            reply = reply_for(awaited)
             if awaited.node != delivery.node_id or reply.metadata.src_node_id != flower_node_id(
                 delivery.node_id
             ):
@@ -215,6 +275,25 @@ class MqttGrid(RunGrid):
             self._report_wire(reply, delivery.payload)
             self._replies[instruction_id] = reply
             self._cond.notify_all()
+        if reply.has_error() and reply.error.code == INSTRUCTION_REFUSED:
+            refusal = Refusal.from_error_reason(reply.error.reason or "")
+            self.refusals[refusal.reason] += 1
+            log.warning(
+                "node %s refused instruction %s (round %s): %s",
+                delivery.node_id,
+                instruction_id,
+                awaited.server_round,
+                refusal,
+            )
+            self._record(
+                "refused",
+                delivery.node_id,
+                awaited.server_round,
+                instruction=instruction_id,
+                reason=refusal.reason,
+                detail=refusal.detail,
+            )
+            return
         self._record("accepted", delivery.node_id, awaited.server_round, instruction=instruction_id)
 
     def _on_profile(self, delivery: Delivery) -> None:

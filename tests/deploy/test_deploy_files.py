@@ -20,6 +20,7 @@ from deploy_broker import DEPLOY, run_script
 
 from fedge.app.coordinator import CoordinatorConfig
 from fedge.client.agent import AgentConfig
+from fedge.transport.signing import InstructionSigner, InstructionVerifier, SignatureError, load_public_key
 
 COMPOSE = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
 FEDGE_SERVICES = {name: s for name, s in COMPOSE["services"].items() if name != "mosquitto"}
@@ -88,6 +89,7 @@ def test_compose_configs_load_with_what_is_mounted(compose_secrets, tmp_path):
     coordinator = loaded.pop("coordinator")
     assert coordinator.service.mqtt.username == "coordinator"
     assert coordinator.service.node_keys_dir is not None
+    signer = InstructionSigner.from_file(coordinator.service.instruction_key_file)
     assert coordinator.app.min_nodes == len(AGENTS)
     partitions = sorted(agent.node_config["partition-id"] for agent in loaded.values())
     assert partitions == list(range(len(AGENTS)))
@@ -99,6 +101,12 @@ def test_compose_configs_load_with_what_is_mounted(compose_secrets, tmp_path):
             agent.signing_key == (compose_secrets / "node-keys" / f"{agent.node_id}.key").read_bytes().strip()
         )
         assert agent.mqtt.address.tls and agent.mqtt.address.host == "mosquitto"
+        # Agents run only what the coordinator signed, and only the coordinator's task.
+        signed = signer.sign(agent.node_id, "m1", b"instruction")
+        assert (
+            InstructionVerifier(agent.instruction_keys).verify(agent.node_id, "m1", signed) == b"instruction"
+        )
+        assert coordinator.app.task in agent.tasks
 
 
 @pytest.mark.parametrize("name", ["coordinator", "agent"])
@@ -107,14 +115,19 @@ def test_example_configs_load(compose_secrets, tmp_path, name):
         "/etc/fedge/credentials": compose_secrets / "credentials",
         "/etc/fedge/node-keys": compose_secrets / "node-keys",
         "/etc/fedge/node-key": compose_secrets / "node-keys" / "node-1.key",
+        "/etc/fedge/instruction-keys": compose_secrets / "instruction-keys",
         "/etc/fedge/tls": compose_secrets / "tls",
         "/var/lib/fedge": tmp_path / "state",
     }
     local = localize(DEPLOY / f"{name}.example.toml", table, tmp_path / f"{name}.toml")
     if name == "coordinator":
-        mqtt = CoordinatorConfig.from_toml(local).service.mqtt
+        service = CoordinatorConfig.from_toml(local).service
+        mqtt = service.mqtt
+        assert InstructionSigner.from_file(service.instruction_key_file)
     else:
-        mqtt = AgentConfig.from_toml(local).mqtt
+        agent = AgentConfig.from_toml(local)
+        mqtt = agent.mqtt
+        assert agent.instruction_keys and agent.tasks == ("fedge.app.task:DigitsTask",)
     assert mqtt.address.tls and mqtt.ca_file is not None
 
 
@@ -203,14 +216,50 @@ def test_make_passwords_writes_private_random_secrets(tmp_path):
     assert not any(secret in passwd for secret in secrets), "the broker's file must hold hashes only"
 
     # A re-run keeps the secrets of the users it names, makes new ones and drops the rest; -r rotates all.
-    before = {p.name: p.read_text() for p in files}
+    before = {p.name: p.read_text() for p in [*files, *(tmp_path / "instruction-keys").iterdir()]}
     assert run_script("make-passwords.sh", "-d", str(tmp_path), "n1", "n3").returncode == 0
     after = {p.name: p.read_text() for p in tmp_path.glob("*/*") if p.parent.name != "mosquitto"}
-    assert sorted(after) == ["coordinator.password", "n1.key", "n1.password", "n3.key", "n3.password"]
-    assert all(after[name] == before[name] for name in ["coordinator.password", "n1.key", "n1.password"])
+    assert sorted(after) == [
+        "coordinator.key",
+        "coordinator.password",
+        "coordinator.pub",
+        "n1.key",
+        "n1.password",
+        "n3.key",
+        "n3.password",
+    ]
+    kept = ["coordinator.key", "coordinator.password", "coordinator.pub", "n1.key", "n1.password"]
+    assert all(after[name] == before[name] for name in kept)
     assert run_script("make-passwords.sh", "-d", str(tmp_path), "-r", "n1", "n3").returncode == 0
     rotated = {p.name: p.read_text() for p in tmp_path.glob("*/*") if p.parent.name != "mosquitto"}
     assert sorted(rotated) == sorted(after) and not set(rotated.values()) & set(after.values())
+
+
+def test_make_passwords_makes_and_rotates_the_coordinators_instruction_key(tmp_path):
+    keys = tmp_path / "instruction-keys"
+    assert run_script("make-passwords.sh", "-d", str(tmp_path), "n1").returncode == 0
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in keys.iterdir())
+    old = InstructionSigner.from_file(keys / "coordinator.key")
+    old_public = load_public_key(keys / "coordinator.pub")
+    assert InstructionVerifier([old_public]).verify("n1", "m1", old.sign("n1", "m1", b"x")) == b"x"
+    passwords = {p.name: p.read_text() for p in (tmp_path / "credentials").iterdir()}
+
+    # -i: a new pair; the old public key stays as previous.pub, so agents can trust both while they change
+    # over; nothing else changes.
+    assert run_script("make-passwords.sh", "-d", str(tmp_path), "-i", "n1").returncode == 0
+    assert sorted(p.name for p in keys.iterdir()) == ["coordinator.key", "coordinator.pub", "previous.pub"]
+    assert load_public_key(keys / "previous.pub") == old_public
+    new = InstructionSigner.from_file(keys / "coordinator.key")
+    changeover = InstructionVerifier([load_public_key(keys / "coordinator.pub"), old_public])
+    for signer in (old, new):
+        assert changeover.verify("n1", "m1", signer.sign("n1", "m1", b"x")) == b"x"
+    with pytest.raises(SignatureError):
+        InstructionVerifier([load_public_key(keys / "coordinator.pub")]).verify(
+            "n1", "m1", old.sign("n1", "m1", b"x")
+        )
+    assert passwords == {p.name: p.read_text() for p in (tmp_path / "credentials").iterdir()}
+    assert run_script("make-passwords.sh", "-d", str(tmp_path), "-r", "-i", "n1").returncode == 2
 
 
 @pytest.mark.parametrize(
@@ -221,6 +270,7 @@ def test_make_passwords_writes_private_random_secrets(tmp_path):
         (["a/b"], "'a/b' must be"),
         (["+"], "'+' must be"),
         (["n1", "n1"], "given twice"),
+        (["-r", "-i", "n1"], "not both"),
         (["-n", "0"], "-n needs a count"),
         ([], "-n COUNT"),  # no nodes: the usage
     ],
