@@ -64,6 +64,8 @@ class FederatedRun:
         interrupted); empty writes nothing.
     min_nodes : int (default: 1)
         Nodes a coordinator waits for before round 1.
+    round_extras : callable() -> mapping, optional
+        Figures the caller adds to every round's metrics (the coordinator: transport drop counts).
     target_accuracy : float (default: 0.0)
         Stop once the global model reaches this accuracy (time-to-accuracy runs); 0 runs every round.
     max_failed_rounds : int (default: 3)
@@ -80,6 +82,7 @@ class FederatedRun:
     seed: int | None = None
     out_dir: str = ""
     min_nodes: int = 1
+    round_extras: Callable[[], Mapping[str, float]] | None = None
     target_accuracy: float = 0.0
     max_failed_rounds: int = 3
 
@@ -158,6 +161,8 @@ def run_rounds(
                 timeline=traffic.clock.get("timeline", []),
             )
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
+            if run.round_extras is not None:
+                metrics.extra.update(run.round_extras())
             history.rounds.append(metrics)
             if on_round_end is not None:
                 on_round_end(server_round, arrays, history)

@@ -15,11 +15,13 @@ one from its config in :mod:`fedge.app.coordinator`). Files in ``state_dir``:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +67,9 @@ class ServiceConfig:
         Directory of ``<node_id>.key`` files; when set, every reply must carry a valid HMAC signature.
     run_id : int (default: 1)
         The Flower run id stamped on instructions.
+    instruction_key_file : str, optional
+        The coordinator's Ed25519 private key (PEM, ``deploy/make-passwords.sh`` makes it); when set, every
+        instruction is signed, and agents holding the public key refuse instructions it did not sign.
     """
 
     mqtt: MqttConfig = field(default_factory=MqttConfig)
@@ -74,6 +79,7 @@ class ServiceConfig:
     round_timeout_s: float = 600.0
     node_keys_dir: str | None = None
     run_id: int = 1
+    instruction_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.state_dir:
@@ -126,9 +132,17 @@ def run_service(
     strategy = run.strategy
     with (
         AuditLog(state_dir / AUDIT_FILE) as audit,
-        MqttGrid(config.mqtt, node_keys=config.node_keys(), audit=audit.write) as grid,
+        MqttGrid(
+            config.mqtt,
+            node_keys=config.node_keys(),
+            audit=audit.write,
+            instruction_key=config.instruction_key_file,
+        ) as grid,
         _StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point) as status,
     ):
+        limit = _reply_limit(run.initial_arrays)
+        grid.endpoint.set_message_limit(lambda node: limit)  # no reply needs more than a dense model
+        run = dataclasses.replace(run, round_extras=_DropsPerRound(grid))
         log.info("waiting for %d nodes", run.min_nodes)
         if not grid.wait_for_nodes(run.min_nodes, config.wait_for_nodes_s, stall_timeout=config.node_stall_s):
             online = len(grid.endpoint.online_nodes())
@@ -153,6 +167,24 @@ def run_service(
             on_round_end=checkpoint,
             timeout=config.round_timeout_s,
         )
+
+
+def _reply_limit(arrays: ArrayRecord) -> int:
+    """The largest reply a node may send: its model dense in float64 (a generous bound over any codec's
+    payload and a dense fp32 reply alike), plus room for Flower's metadata and metrics."""
+    return 2 * sum(array.numpy().size * 4 for array in arrays.values()) + 1024 * 1024
+
+
+class _DropsPerRound:
+    """The transport's drops since the previous round, by reason, as ``transport_dropped_<reason>``."""
+
+    def __init__(self, grid: MqttGrid) -> None:
+        self._grid, self._seen = grid, Counter(grid.endpoint.drop_totals())
+
+    def __call__(self) -> dict[str, float]:
+        totals = Counter(self._grid.endpoint.drop_totals())
+        delta, self._seen = totals - self._seen, totals
+        return {f"transport_dropped_{reason}": float(count) for reason, count in sorted(delta.items())}
 
 
 def read_status(state_dir: str | Path) -> dict[str, Any]:
@@ -188,6 +220,7 @@ class _StatusWriter:
             "online_nodes": online,
             "profiles": {name: p.to_json() for name, p in sorted(self._grid.profiles.items())},
             "dropped_replies": dict(self._grid.dropped),
+            "transport_drops": self._grid.endpoint.drop_counts(),
             "updated_at": time.time(),
             "pid": os.getpid(),
         }

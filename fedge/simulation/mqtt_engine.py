@@ -61,7 +61,10 @@ def run_mqtt_simulation(
         if not broker_url:
             broker_url = stack.enter_context(EmbeddedBroker()).url
         agents = [
-            _spawn_agent(write_agent_config(workdir, i, clients, broker_url), workdir / f"agent-{i}.log")
+            _spawn_agent(
+                write_agent_config(workdir, i, clients, broker_url, app_config.task),
+                workdir / f"agent-{i}.log",
+            )
             for i in range(clients)
         ]
         stack.callback(_stop_all, agents)
@@ -77,13 +80,16 @@ def run_mqtt_simulation(
         return run_coordinator(config, listeners=listeners)
 
 
-def write_agent_config(workdir: Path, index: int, clients: int, broker_url: str) -> Path:
-    """An agent.toml for client ``index`` (TOML basic strings are JSON strings)."""
+def write_agent_config(
+    workdir: Path, index: int, clients: int, broker_url: str, task: str = AppConfig.task
+) -> Path:
+    """An agent.toml for client ``index`` that runs ``task`` (TOML basic strings are JSON strings)."""
     path = workdir / f"agent-{index}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"node_id = {json.dumps(f'sim-{index}')}\n"
         f"state_dir = {json.dumps(str(workdir / f'agent-{index}'))}\n"
+        f"tasks = [{json.dumps(task)}]\n"
         "[mqtt]\n"
         f"broker_url = {json.dumps(broker_url)}\n"
         f"fleet = {json.dumps(_FLEET)}\n"

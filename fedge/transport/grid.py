@@ -294,7 +294,9 @@ class MqttGrid(RunGrid):
                 detail=refusal.detail,
             )
             return
-        self._record("accepted", delivery.node_id, awaited.server_round, instruction=instruction_id)
+        # An error reply (the ClientApp failed) is answered but carries no update: it never counts.
+        event = "failed" if reply.has_error() else "accepted"
+        self._record(event, delivery.node_id, awaited.server_round, instruction=instruction_id)
 
     def _on_profile(self, delivery: Delivery) -> None:
         try:
