@@ -14,6 +14,16 @@ On a train message that carries the coordinator's compression instruction
    kept in ``Context.state`` across rounds, encodes it with the instructed codec and replies with the
    bytes instead of the ArrayRecord.
 
+The residual treats what was sent as delivered, yet a reply can be lost (late, dropped, rejected, or
+aggregated into a round a crashed coordinator never checkpointed). So, when the coordinator keeps track
+(the instruction has ``counted``), the payload and the version it was trained from stay in
+``Context.state`` under :data:`PENDING_KEY` until the node's next instruction. Before anything else, that
+instruction settles it: ``counted`` equal to the pending version means the update is in the
+coordinator's model and the payload is dropped; a smaller ``counted`` means it is not, and the payload
+is added back into the residual (:meth:`fedge.compression.ErrorFeedback.restore`) to be sent again. A
+node that is not sampled keeps its pending payload for as long as it is not instructed. The payload is
+the compressed bytes (a few kB), not a dense copy of the update.
+
 Mods inside it (clipping, local DP) see and change dense weights as they expect; the mod encodes what
 they return. Messages without an instruction pass through untouched, so the mod is harmless with a plain
 Flower strategy.
@@ -35,6 +45,7 @@ from fedge.protocol.records import (
     APPROXIMATE,
     FULL,
     INSTRUCTION_KEY,
+    NOT_COUNTED,
     UPDATE_KEY,
     Instruction,
     ProtocolError,
@@ -43,7 +54,14 @@ from fedge.protocol.records import (
 )
 from fedge.protocol.reference import advance_reference
 
-__all__ = ["EF_STATE_KEY", "REFERENCE_INFO_KEY", "REFERENCE_KEY", "CompressionMod"]
+__all__ = [
+    "EF_STATE_KEY",
+    "PENDING_KEY",
+    "REFERENCE_INFO_KEY",
+    "REFERENCE_KEY",
+    "CompressionMod",
+    "settle_pending",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +71,9 @@ REFERENCE_KEY = "fedge.reference"
 """``Context.state`` ArrayRecord: the reference model of compressed downloads (float32)."""
 REFERENCE_INFO_KEY = "fedge.reference-info"
 """``Context.state`` ConfigRecord: ``version`` of the reference (:data:`FULL` if unusable), dtypes."""
+PENDING_KEY = "fedge.pending-update"
+"""``Context.state`` ConfigRecord: ``payload`` (bytes) and ``version`` (its ``base``) of the last reply,
+until the next instruction says whether it counted."""
 
 
 class CompressionMod:
@@ -75,6 +96,9 @@ class CompressionMod:
             return call_next(msg, context)
         try:
             instruction = Instruction.from_record(msg.content[INSTRUCTION_KEY])
+            # Before anything else can fail: the verdict on the last reply is known now, and a node that
+            # cannot train this round must not keep its payload waiting for a verdict already given.
+            settle_pending(context, instruction.counted, max_elements=self.max_elements)
             feedback = ErrorFeedback(_codec(instruction.codec), momentum=instruction.ef_momentum)
             received, dtypes = self._received_model(msg, context, instruction)
         except (ProtocolError, CodecError) as err:
@@ -94,6 +118,8 @@ class CompressionMod:
             return _error_reply(msg, f"fedge compression: {err}")
         content = RecordDict({k: v for k, v in reply.content.items() if not isinstance(v, ArrayRecord)})
         content[UPDATE_KEY] = ConfigRecord({"payload": payload, "base": instruction.version})
+        if instruction.counted is not None:  # the coordinator will say whether this reply counted
+            context.state[PENDING_KEY] = ConfigRecord({"payload": payload, "version": instruction.version})
         reply.content = content
         return reply
 
@@ -147,6 +173,61 @@ class CompressionMod:
         payload = feedback.encode(update, state, seed=seed)
         context.state[EF_STATE_KEY] = arrays_to_record(state, {})
         return payload
+
+
+def settle_pending(
+    context: Context, counted: int | None, *, max_elements: int = DEFAULT_MAX_ELEMENTS
+) -> None:
+    """Settle the node's pending payload with the coordinator's ``counted``; it leaves ``Context.state``.
+
+    Parameters
+    ----------
+    context : Context
+        The node's context; :data:`PENDING_KEY` is removed, :data:`EF_STATE_KEY` may grow the payload back.
+    counted : int or None
+        The instruction's ``counted``: the version of the node's last aggregated update,
+        :data:`fedge.protocol.records.NOT_COUNTED`, or None (not tracked: the payload is taken as counted).
+    max_elements : int (default: 2**28)
+        Cap on the elements the stored payload may claim.
+    """
+    if PENDING_KEY not in context.state:
+        return
+    pending = context.state[PENDING_KEY]
+    del context.state[PENDING_KEY]
+    version, payload = pending.get("version"), pending.get("payload")
+    if not isinstance(version, int) or not isinstance(payload, bytes):
+        log.warning("node %s: dropping a malformed pending update", context.node_id)
+        return
+    if counted is None or counted == version:
+        return
+    if counted > version:
+        # The coordinator counted a later update than this node remembers sending: its state is older than
+        # its replies (restored from a backup). Whether this one counted is unknown; sending it twice would
+        # bias the model as much as dropping it, and dropping keeps the residual bounded.
+        log.warning(
+            "node %s: the coordinator counted version %d, newer than the pending update of version %d; "
+            "dropping the pending update",
+            context.node_id,
+            counted,
+            version,
+        )
+        return
+    state: dict[str, np.ndarray] = {}
+    if EF_STATE_KEY in context.state:
+        state = record_to_arrays(context.state[EF_STATE_KEY])[0]
+    try:
+        ErrorFeedback.restore(payload, state, max_elements=max_elements)
+    except CodecError as err:  # our own bytes, damaged on disk: it cannot be restored, and must not block
+        log.warning("node %s: the pending update of version %d is lost: %s", context.node_id, version, err)
+        return
+    context.state[EF_STATE_KEY] = arrays_to_record(state, {})
+    what = "none" if counted == NOT_COUNTED else f"version {counted}"
+    log.info(
+        "node %s: the update of version %d did not count (last counted: %s); it is back in the residual",
+        context.node_id,
+        version,
+        what,
+    )
 
 
 @lru_cache(maxsize=16)

@@ -11,6 +11,11 @@ compressors (top-k, sign, PowerSGD) converge like uncompressed SGD. With momentu
 sent also have their momentum cleared ("momentum factor masking" in Deep Gradient Compression), so
 stale momentum does not push them again.
 
+The identity holds only if every ``s_t`` arrives. A payload that never counted (a dropped or rejected
+reply) is handed back with :meth:`ErrorFeedback.restore`, ``e ← e + s_t``, which makes the round as if
+nothing had been sent: then ``Σ_{counted} s_t + e_T = Σ g_t``. (Momentum is not rewound: its masking
+only changes how fast later rounds send, not what the sum owes.)
+
 The state is a plain ``dict[str, np.ndarray]`` (residuals under ``"ef/residual/<name>"``, momentum
 under ``"ef/momentum/<name>"``, codec memory such as PowerSGD's warm start under its own keys), so a
 Flower ``Context`` can persist it between rounds and a client that skips rounds keeps its residual.
@@ -27,7 +32,7 @@ import numpy as np
 
 from fedge.compression.codec import Codec
 from fedge.compression.errors import CodecConfigError
-from fedge.compression.wire import decode, decode_add
+from fedge.compression.wire import DEFAULT_MAX_ELEMENTS, decode, decode_add, inspect_payload
 
 __all__ = ["ErrorFeedback"]
 
@@ -134,6 +139,47 @@ class ErrorFeedback:
             logger.warning("dropping %s: stored shape %s, update shape %s", key, stored.shape, shape)
             return np.zeros(shape, dtype=np.float32)
         return np.asarray(stored, dtype=np.float32)
+
+    @staticmethod
+    def restore(
+        payload: bytes, state: dict[str, np.ndarray], *, max_elements: int = DEFAULT_MAX_ELEMENTS
+    ) -> None:
+        """Take back a payload that never counted: add what it carries to the residuals in ``state``.
+
+        Parameters
+        ----------
+        payload : bytes
+            A payload :meth:`encode` returned with this ``state``.
+        state : dict[str, np.ndarray]
+            Residuals, momentum and codec memory; residual entries are replaced (arrays are not mutated).
+            A residual that is missing or of another shape than the payload's tensor starts from zero.
+        max_elements : int, default 2**28
+            Cap on the elements the payload may claim.
+
+        Raises
+        ------
+        CodecError
+            If ``payload`` does not decode; ``state`` is left as it was.
+        """
+        info = inspect_payload(payload, max_elements=max_elements)
+        residuals: dict[str, np.ndarray] = {}
+        for tensor in info.tensors:
+            stored = state.get(RESIDUAL_PREFIX + tensor.name)
+            if stored is not None and stored.shape != tensor.shape:
+                logger.warning(
+                    "restoring %s: stored residual shape %s, payload shape %s; starting from zero",
+                    tensor.name,
+                    stored.shape,
+                    tensor.shape,
+                )
+                stored = None
+            residuals[tensor.name] = (
+                np.zeros(tensor.shape, dtype=np.float32)
+                if stored is None
+                else np.array(stored, dtype=np.float32, order="C", copy=True)  # decode_add writes in place
+            )
+        decode_add(payload, residuals, 1.0, max_elements=max_elements)
+        state.update({RESIDUAL_PREFIX + name: residual for name, residual in residuals.items()})
 
     @staticmethod
     def residual(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -16,12 +16,22 @@ base           int     only with ``model``: the version the delta applies to, :d
                        :data:`APPROXIMATE` for a lossy full model (no delta will apply to it)
 model          bytes   only for compressed downloads: a codec payload, delta or full model
 dtypes         [str]   only with a full model, and only if some tensor is not float32: ``"name=dtype"``
+counted        int     the version (``base``) of this node's last update the coordinator aggregated, or
+                       :data:`NOT_COUNTED`; absent when the coordinator does not keep track
 =============  ======  ===================================================================================
 
 Without ``model`` the instruction also holds the model as a dense ArrayRecord, as Flower sends it.
 A train reply carries the task's MetricRecord and one ConfigRecord named :data:`UPDATE_KEY` with
 ``payload`` (the encoded update, new weights minus the received model plus the error-feedback residual)
 and ``base`` (the version it was trained from).
+
+``counted`` closes the error-feedback loop. A client's residual already treats the payload it sent as
+delivered, but a reply can be lost (late, dropped, rejected by screening, or aggregated into a round a
+crashed coordinator never checkpointed). So the client keeps its last payload and its ``base`` until its
+next instruction: if ``counted`` equals that ``base`` the update is in the coordinator's model; if it is
+smaller (or :data:`NOT_COUNTED`) it is not, and the client adds the payload back into its residual, to be
+sent again. A client that is not sampled keeps its payload until it is next instructed. Without the field
+(a coordinator that does not track it) the client assumes every reply counted, as before the field existed.
 
 The reference-model step both sides compute is in :mod:`fedge.protocol.reference`.
 """
@@ -39,6 +49,7 @@ __all__ = [
     "FULL",
     "GRIDS",
     "INSTRUCTION_KEY",
+    "NOT_COUNTED",
     "UPDATE_KEY",
     "Instruction",
     "ProtocolError",
@@ -50,6 +61,8 @@ INSTRUCTION_KEY = "fedge.compression"
 UPDATE_KEY = "fedge.update"
 FULL = -1
 APPROXIMATE = -2
+NOT_COUNTED = -1
+"""``counted`` of a node none of whose updates the coordinator's model holds."""
 GRIDS = ("fp32", "fp16")
 
 
@@ -79,6 +92,9 @@ class Instruction:
         Compressed download; None when the model travels as a dense ArrayRecord.
     dtypes : tuple of str (default: ())
         With a full model: ``"name=dtype"`` of the tensors the app holds in a dtype other than float32.
+    counted : int or None (default: None)
+        Version of this node's last update the coordinator aggregated, :data:`NOT_COUNTED` if none;
+        None when the coordinator does not keep track (not sent; clients assume every reply counted).
     """
 
     codec: str
@@ -89,6 +105,7 @@ class Instruction:
     base: int = FULL
     model: bytes | None = None
     dtypes: tuple[str, ...] = ()
+    counted: int | None = None
 
     @property
     def full(self) -> bool:
@@ -110,6 +127,8 @@ class Instruction:
             record["model"] = self.model
         if self.dtypes:
             record["dtypes"] = list(self.dtypes)
+        if self.counted is not None:
+            record["counted"] = self.counted
         return record
 
     def dtype_map(self) -> dict[str, str]:
@@ -144,6 +163,10 @@ class Instruction:
             if not isinstance(dtypes, list) or not all(isinstance(d, str) for d in dtypes):
                 raise ProtocolError("instruction field 'dtypes' must be a list of strings")
             fields["dtypes"] = tuple(dtypes)
+        if "counted" in record:
+            fields["counted"] = _field(record, "counted", int)
+            if fields["counted"] < NOT_COUNTED:
+                raise ProtocolError(f"instruction counted {fields['counted']} is not a version")
         return cls(**fields)
 
 

@@ -4,6 +4,30 @@
 model version, optionally a compressed download) and a round's replies into screened, still compressed
 updates plus a :class:`RoundReport`. :class:`fedge.server.streaming.StreamingFedAvg` sums those
 updates in place; :class:`fedge.server.decoding.DecodingStrategy` decodes them for any Flower strategy.
+
+Which updates counted
+---------------------
+Clients keep their last payload until told whether it counted (:mod:`fedge.protocol.records`,
+``counted``). The channel remembers, per node, the version of the last update of that node the strategy
+aggregated (:meth:`CompressedChannel.count`) and sends it in the node's next instruction. Anything not
+counted -- a late or dropped reply, a rejection, a round whose aggregation returned nothing -- is simply
+never recorded, so the client adds it back into its residual. The map is part of the strategy's
+``state_dict``, which the coordinator checkpoints with the global model.
+
+Ordering across a coordinator crash. In round ``r`` the coordinator (1) builds the train instructions,
+which carry the map as it stood after round ``r − 1``; (2) receives the replies; (3) aggregates them
+into ``x_r`` and records the aggregated nodes as counted at ``r``; (4) runs federated and central
+evaluation; (5) writes one checkpoint holding ``x_r`` and the map of step 3 together (atomically). The
+map leaves the process only in step 1 of the next round, after that checkpoint is durable (evaluation
+messages do not carry it), so no client is ever told "counted" about an update the durable model lacks.
+If the coordinator dies anywhere in steps 1–5 of round ``r``, ``--resume`` restores ``x_{r−1}`` and the
+map of round ``r − 1`` and runs round ``r`` again: an update aggregated into the lost ``x_r`` has
+version ``r`` while the restored map says at most ``r − 1`` for its node, so the node's next instruction
+(in the re-run or any later round) makes it fold the payload back; a node cannot be counted at ``r``
+again without first receiving a round-``r`` instruction, which settles the old payload first. If it dies
+after step 5, round ``r`` is complete and the next round starts from exactly the state clients were
+told. This requires a checkpoint after every round (the coordinator service writes one); with sparser
+checkpoints, what clients were told counted after the last one is lost on restart.
 """
 
 from __future__ import annotations
@@ -19,7 +43,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
 from fedge.compression import CodecConfigError, build_codec
-from fedge.protocol.records import INSTRUCTION_KEY, Instruction
+from fedge.protocol.records import INSTRUCTION_KEY, NOT_COUNTED, Instruction
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
 from fedge.server.screening import (
     REJECTION_REASONS,
@@ -30,9 +54,20 @@ from fedge.server.screening import (
     screen_reply,
 )
 
-__all__ = ["CompressedChannel", "CompressionConfig", "RoundReport"]
+__all__ = [
+    "COUNTED_NODES_KEY",
+    "COUNTED_VERSIONS_KEY",
+    "CompressedChannel",
+    "CompressionConfig",
+    "RoundReport",
+]
 
 log = logging.getLogger(__name__)
+
+COUNTED_NODES_KEY = "counted/node-ids"
+"""``state_dict`` key: int64 node ids of the counted map (aligned with :data:`COUNTED_VERSIONS_KEY`)."""
+COUNTED_VERSIONS_KEY = "counted/versions"
+"""``state_dict`` key: int64 version of each node's last counted update."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +154,7 @@ class CompressedChannel:
         self.weighted_by_key = weighted_by_key
         self.broadcast = ModelBroadcast(config.downlink) if config.downlink else None
         self.reports: dict[int, RoundReport] = {}
+        self.counted: dict[int, int] = {}  # node -> version of its last update the strategy aggregated
         self._sent: dict[int, tuple[int, Download | None]] = {}  # node -> (version, download) this round
 
     def instruct(
@@ -137,14 +173,16 @@ class CompressedChannel:
         self._sent.clear()
         nodes = [message.metadata.dst_node_id for message in messages]
         downloads = self.broadcast.prepare(server_round, model, nodes) if self.broadcast else {}
-        # One content per distinct (original content, download): messages that shared one still do.
-        contents: dict[tuple[int, int], RecordDict] = {}
+        # One content per distinct (original content, download, counted): messages that shared one still
+        # do. Most sampled nodes were counted in the previous round, so few contents are made.
+        contents: dict[tuple[int, int, int], RecordDict] = {}
         for message, node in zip(messages, nodes, strict=True):
             download = downloads.get(node)
+            counted = self.counted.get(node, NOT_COUNTED)
             self._sent[node] = (server_round, download)
-            key = (id(message.content), id(download))
+            key = (id(message.content), id(download), counted)
             if key not in contents:
-                contents[key] = self._content(message.content, server_round, download, dtypes)
+                contents[key] = self._content(message.content, server_round, download, dtypes, counted)
             message.content = contents[key]
             if download is not None:
                 report.downloads_delta += download.is_delta
@@ -153,7 +191,12 @@ class CompressedChannel:
         return messages
 
     def _content(
-        self, content: RecordDict, version: int, download: Download | None, dtypes: Mapping[str, str]
+        self,
+        content: RecordDict,
+        version: int,
+        download: Download | None,
+        dtypes: Mapping[str, str],
+        counted: int,
     ) -> RecordDict:
         array_keys = [key for key, value in content.items() if isinstance(value, ArrayRecord)]
         if len(array_keys) != 1:
@@ -164,6 +207,7 @@ class CompressedChannel:
             ef_momentum=self.config.ef_momentum,
             arrays_key=array_keys[0],
             grid=self.config.downlink.grid if self.config.downlink else "fp32",
+            counted=counted,
         )
         out = RecordDict(dict(content.items()))
         if download is not None:
@@ -226,6 +270,32 @@ class CompressedChannel:
             report.dense_bytes += dense_bytes
         report.accepted = len(accepted)
         return accepted
+
+    def count(self, server_round: int, node_ids: Iterable[int]) -> None:
+        """Record that the round's updates of ``node_ids`` are in the model the strategy returns.
+
+        Call it from ``aggregate_train`` once the model holds them, and only for those: every reply not
+        counted goes back into its client's residual. The version recorded is the one the reply was
+        screened against (its ``base``).
+        """
+        for node in node_ids:
+            self.counted[node] = self._sent.get(node, (server_round, None))[0]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The counted map as two aligned int64 arrays (node ids, versions), for the checkpoint."""
+        nodes = sorted(self.counted)
+        return {
+            COUNTED_NODES_KEY: np.array(nodes, dtype=np.int64),
+            COUNTED_VERSIONS_KEY: np.array([self.counted[n] for n in nodes], dtype=np.int64),
+        }
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_dict` (a checkpoint without it leaves the map empty: nothing counted)."""
+        nodes = np.asarray(state.get(COUNTED_NODES_KEY, np.zeros(0, np.int64))).reshape(-1)
+        versions = np.asarray(state.get(COUNTED_VERSIONS_KEY, np.zeros(0, np.int64))).reshape(-1)
+        if nodes.shape != versions.shape:
+            raise ValueError(f"counted map: {nodes.size} node ids but {versions.size} versions")
+        self.counted = {int(n): int(v) for n, v in zip(nodes, versions, strict=True)}
 
     def reject(self, server_round: int, node_id: int, rejection: Rejected) -> None:
         """Log and count a rejected reply."""

@@ -10,12 +10,20 @@ The wrapped strategy keeps its own memory cost: it receives every reply dense. W
 never the other way round: they clip replies, which must be dense by then::
 
     strategy = DecodingStrategy(DifferentialPrivacyClientSideFixedClipping(FedAvg(), 1.0, 0.5, 20))
+
+Which updates counted (see :mod:`fedge.server.channel`): the wrapper cannot see which replies the wrapped
+strategy used, so when it returns a model every reply handed to it counts, and when it returns none
+(too few replies, a failure) none does. A strategy that leaves some replies out -- Krum, Bulyan and the
+trimmed mean keep only part of them, the median uses each only through its order -- therefore has the
+clients of the unused ones believe they were delivered: their error feedback forgets them, as it did for
+every reply before the protocol tracked delivery. Replies rejected by screening, late or dropped never
+count, whatever the wrapped strategy is.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -105,7 +113,10 @@ class DecodingStrategy(Strategy):
         if not any(not reply.has_error() for reply in dense):
             log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
             return None, None
-        return self.strategy.aggregate_train(server_round, dense)
+        arrays, metrics = self.strategy.aggregate_train(server_round, dense)
+        if arrays is not None:  # the wrapped strategy's choice among the replies is not visible: all count
+            self.channel.count(server_round, [r.metadata.src_node_id for r in dense if not r.has_error()])
+        return arrays, metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -120,3 +131,14 @@ class DecodingStrategy(Strategy):
     def round_metrics(self, server_round: int) -> dict[str, float]:
         """Bytes, compression ratio and rejections of ``server_round``."""
         return self.channel.round_metrics(server_round)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Which update of each node counted, as two int64 arrays (the coordinator checkpoints it).
+
+        The wrapped strategy's own state, if it has any, is not included.
+        """
+        return self.channel.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_dict` after a coordinator restart."""
+        self.channel.load_state_dict(state)

@@ -6,6 +6,11 @@ memory. :class:`StreamingFedAvg` keeps the replies compressed, screens them one 
 with :func:`fedge.compression.decode_add` (sparse payloads are scattered, never densified): O(model +
 one decoded reply) on top of the model. The sum is the averaged client update ``Δ``; a
 :class:`fedge.server.optimizers.ServerOptimizer` applies it (FedAvg, FedAvgM or FedAdam).
+
+The replies summed into the model are recorded as counted (:meth:`CompressedChannel.count`); every other
+reply -- late, dropped, rejected -- goes back into its client's error-feedback residual. The record is
+checkpointed through :meth:`StreamingFedAvg.state_dict` (why that is exact across a coordinator crash:
+:mod:`fedge.server.channel`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedge.compression import CodecError, decode_add
 from fedge.protocol.records import arrays_to_record, record_to_arrays
-from fedge.server.channel import CompressedChannel, CompressionConfig
+from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY, CompressedChannel, CompressionConfig
 from fedge.server.optimizers import ServerOptimizer
 from fedge.server.screening import Rejected
 
@@ -146,6 +151,7 @@ class StreamingFedAvg(FedAvg):
             aggregated.append(reply)
         self.optimizer.step(self._model, running)
         del running
+        self.channel.count(server_round, [reply.node_id for reply in aggregated])
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
         return arrays_to_record(self._model, self._dtypes), metrics
 
@@ -165,14 +171,21 @@ class StreamingFedAvg(FedAvg):
         return self.channel.round_metrics(server_round)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The server optimizer's state, as flat named arrays (the coordinator checkpoints it).
+        """The server optimizer's state and which update of each node counted, as flat named arrays.
+
+        The coordinator checkpoints it after each round, with that round's model. The counted map is two
+        int64 arrays (:data:`fedge.server.channel.COUNTED_NODES_KEY`, ``COUNTED_VERSIONS_KEY``); the
+        optimizer's keys are ``steps`` and ``<buffer>/<tensor>``.
 
         The download reference is deliberately not part of it: a coordinator that crashed may already have
         sent the next round's delta, so after a restart no client's version is trusted and the first round
         sends full models.
         """
-        return self.optimizer.state_dict()
+        return self.optimizer.state_dict() | self.channel.state_dict()
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Restore :meth:`state_dict` after a restart: server momentum and Adam moments continue."""
-        self.optimizer.load_state_dict(state)
+        """Restore :meth:`state_dict` after a restart: server momentum and Adam moments continue, and clients
+        whose updates the restored model lacks are told so."""
+        counted = (COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY)
+        self.channel.load_state_dict({k: v for k, v in state.items() if k in counted})
+        self.optimizer.load_state_dict({k: v for k, v in state.items() if k not in counted})
