@@ -8,9 +8,13 @@ it resumes from: rounds the checkpoint holds are committed, later ones are marke
 runs again, and the replies to the re-run are logged anew). So :func:`counted_rounds` -- what the log says
 counted -- agrees with the model the coordinator holds, whatever moment it was killed at.
 
-Lines: ``{"event": "accepted" | "rejected", "node", "round", "time", ...}``, ``{"event": "commit",
-"round", "time"}``, ``{"event": "void", "round", "time", "reason"}`` and ``{"event": "run-start", "time"}``
-(a fresh run in the same state directory: counting starts again from there).
+A strategy that knows which accepted replies it really aggregated (fedge's compressing strategies screen
+replies after the transport accepted them) names them: the commit line then carries ``nodes``, and only
+those count.
+
+Lines: ``{"event": "accepted" | "rejected" | "failed" | "refused", "node", "round", "time", ...}``,
+``{"event": "commit", "round", "time", "nodes"?}``, ``{"event": "void", "round", "time", "reason"}`` and
+``{"event": "run-start", "time"}`` (a fresh run in the same state directory: counting starts again there).
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from fedge.protocol.fleet import flower_node_id
 
 __all__ = ["AUDIT_FILE", "AuditLog", "counted_rounds"]
 
@@ -52,18 +59,37 @@ class AuditLog:
         """Mark a fresh run (not a resumed one): what the log said before belongs to an earlier run."""
         self.write({"event": "run-start", "time": time.time()})
 
-    def commit(self, server_round: int) -> None:
-        """Make ``server_round``'s accepted updates final; call after its checkpoint is durable."""
-        self.write({"event": "commit", "round": server_round, "time": time.time()})
+    def commit(self, server_round: int, nodes: list[str] | None = None) -> None:
+        """Make ``server_round``'s accepted updates final (only those of ``nodes``, if given); call after
+        its checkpoint is durable."""
+        event: dict[str, Any] = {"event": "commit", "round": server_round, "time": time.time()}
+        if nodes is not None:
+            event["nodes"] = sorted(nodes)
+        self.write(event)
         with self._lock:
             os.fsync(self._handle.fileno())
 
-    def settle(self, completed_round: int) -> None:
-        """On resume: commit the uncommitted rounds the checkpoint holds, void the later ones."""
+    def accepted_nodes(self, server_round: int) -> set[str]:
+        """The nodes whose replies to ``server_round`` were accepted and are not settled yet."""
+        return set(_scan(self.path)[1].get(server_round, set()))
+
+    def counted_names(self, server_round: int, counted: Mapping[int, int]) -> list[str]:
+        """Of the nodes accepted in ``server_round``, those a strategy's record (Flower node id → round of
+        its last aggregated update) says were aggregated in it."""
+        ids = {node for node, last in counted.items() if last == server_round}
+        return sorted(name for name in self.accepted_nodes(server_round) if flower_node_id(name) in ids)
+
+    def settle(self, completed_round: int, counted: Mapping[int, int] | None = None) -> None:
+        """On resume: commit the uncommitted rounds the checkpoint holds, void the later ones.
+
+        ``counted`` is the checkpointed strategy's record of aggregated updates, if it keeps one.
+        """
         pending, committed = _scan(self.path)[1:]
         for server_round in sorted(set(pending) - committed):
             if server_round <= completed_round:
-                self.commit(server_round)  # the checkpoint was written; the crash came before the commit
+                # The checkpoint was written; the crash came before the commit line.
+                nodes = self.counted_names(server_round, counted) if counted is not None else None
+                self.commit(server_round, nodes)
             else:
                 self.write(
                     {
@@ -108,7 +134,9 @@ def _scan(path: Path) -> tuple[dict[str, set[int]], dict[int, set[str]], set[int
         if kind == "accepted":
             pending[server_round].add(str(event["node"]))
         elif kind == "commit":
-            for node in pending.pop(server_round, set()):
+            accepted = pending.pop(server_round, set())
+            named = event.get("nodes")
+            for node in accepted & set(named) if isinstance(named, list) else accepted:
                 counted[node].add(server_round)
             committed.add(server_round)
         elif kind == "void":

@@ -22,11 +22,12 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord
 
 from fedge.atomic import write_json_atomic
@@ -34,6 +35,7 @@ from fedge.config import ConfigError, read_secret
 from fedge.flower.compat import set_task_identity
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog
+from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
 from fedge.server.runner import FederatedRun, ResumePoint, run_rounds
 from fedge.transport.config import MqttConfig
@@ -152,12 +154,14 @@ def run_service(
         if resume_point is None:
             audit.start_run()
         else:
-            audit.settle(resume_point.completed_round)
+            audit.settle(resume_point.completed_round, _counted_record(resume_point.strategy_state))
 
         def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
             strategy_state = strategy.state_dict() if hasattr(strategy, "state_dict") else {}
             save_checkpoint(state_dir, server_round, arrays, history, strategy_state)
-            audit.commit(server_round)  # only now do the round's accepted updates count
+            counted = _counted_record(strategy_state)  # which accepted replies the strategy aggregated
+            nodes = audit.counted_names(server_round, counted) if counted is not None else None
+            audit.commit(server_round, nodes)  # only now do the round's accepted updates count
 
         return run_rounds(
             grid,
@@ -167,6 +171,14 @@ def run_service(
             on_round_end=checkpoint,
             timeout=config.round_timeout_s,
         )
+
+
+def _counted_record(strategy_state: Mapping[str, np.ndarray]) -> dict[int, int] | None:
+    """A compressing strategy's record of each node's last aggregated round, from its checkpointed state."""
+    if COUNTED_NODES_KEY not in strategy_state:
+        return None
+    nodes, rounds = strategy_state[COUNTED_NODES_KEY], strategy_state[COUNTED_VERSIONS_KEY]
+    return {int(n): int(r) for n, r in zip(nodes.tolist(), rounds.tolist(), strict=True)}
 
 
 def _reply_limit(arrays: ArrayRecord) -> int:

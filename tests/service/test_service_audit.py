@@ -80,3 +80,17 @@ def test_listeners_hear_of_a_round_only_after_its_checkpoint(tmp_path: Path) -> 
     finally:
         grid.shutdown()
     assert heard == [(1, 1), (2, 2)]
+
+
+def test_a_commit_naming_nodes_counts_only_those(tmp_path: Path) -> None:
+    """A strategy that screened out an accepted reply names the nodes it aggregated."""
+    from fedge.protocol.fleet import flower_node_id
+
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.start_run()
+        for node in ("a", "b", "c"):
+            _accept(log, node, 1)
+        record = {flower_node_id("a"): 1, flower_node_id("b"): 1, flower_node_id("c"): 0}
+        log.commit(1, log.counted_names(1, record))  # c's reply was rejected by screening
+    assert counted_rounds(path) == {"a": [1], "b": [1]}
