@@ -62,7 +62,7 @@ from fedge.transport.signing import (
     strip_instruction_signature,
 )
 
-__all__ = ["REFERENCE_TASK", "AgentConfig", "DeviceAgent", "load_client_app"]
+__all__ = ["REFERENCE_TASK", "AgentConfig", "DeviceAgent", "load_client_app", "read_saved_context"]
 
 log = logging.getLogger(__name__)
 
@@ -389,6 +389,15 @@ class DeviceAgent:
         write_bytes_atomic(
             self._state_dir / "state.bin", b"".join(struct.pack(">Q", len(p)) + p for p in parts)
         )
+
+
+def read_saved_context(state_dir: str | Path) -> Context | None:
+    """The node Context an agent saved in ``state_dir`` (None if there is none), for inspection."""
+    path = Path(state_dir) / "state.bin"
+    if not path.exists():
+        return None
+    parts = _unpack(path.read_bytes())
+    return context_from_bytes(parts[0]) if parts and parts[0] else None
 
 
 def _unpack(data: bytes) -> list[bytes]:

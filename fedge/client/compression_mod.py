@@ -56,6 +56,7 @@ from fedge.protocol.reference import advance_reference
 
 __all__ = [
     "EF_STATE_KEY",
+    "FEEDBACK_COUNTS_KEY",
     "PENDING_KEY",
     "REFERENCE_INFO_KEY",
     "REFERENCE_KEY",
@@ -74,6 +75,11 @@ REFERENCE_INFO_KEY = "fedge.reference-info"
 PENDING_KEY = "fedge.pending-update"
 """``Context.state`` ConfigRecord: ``payload`` (bytes) and ``version`` (its ``base``) of the last reply,
 until the next instruction says whether it counted."""
+FEEDBACK_COUNTS_KEY = "fedge.feedback-counts"
+"""``Context.state`` ConfigRecord: how the node's replies were settled, for the operator and the faults
+bench: ``delivered`` (payloads left pending), ``counted``, ``folded`` (back into the residual) and ``lost``
+(dropped unsettled: damaged, or the node's state was older than its replies). Every delivered payload is
+counted, folded, lost, or still pending."""
 
 
 class CompressionMod:
@@ -120,6 +126,7 @@ class CompressionMod:
         content[UPDATE_KEY] = ConfigRecord({"payload": payload, "base": instruction.version})
         if instruction.counted is not None:  # the coordinator will say whether this reply counted
             context.state[PENDING_KEY] = ConfigRecord({"payload": payload, "version": instruction.version})
+            _tally(context, "delivered")
         reply.content = content
         return reply
 
@@ -197,8 +204,10 @@ def settle_pending(
     version, payload = pending.get("version"), pending.get("payload")
     if not isinstance(version, int) or not isinstance(payload, bytes):
         log.warning("node %s: dropping a malformed pending update", context.node_id)
+        _tally(context, "lost")
         return
     if counted is None or counted == version:
+        _tally(context, "counted")
         return
     if counted > version:
         # The coordinator counted a later update than this node remembers sending: its state is older than
@@ -211,6 +220,7 @@ def settle_pending(
             counted,
             version,
         )
+        _tally(context, "lost")
         return
     state: dict[str, np.ndarray] = {}
     if EF_STATE_KEY in context.state:
@@ -219,8 +229,10 @@ def settle_pending(
         ErrorFeedback.restore(payload, state, max_elements=max_elements)
     except CodecError as err:  # our own bytes, damaged on disk: it cannot be restored, and must not block
         log.warning("node %s: the pending update of version %d is lost: %s", context.node_id, version, err)
+        _tally(context, "lost")
         return
     context.state[EF_STATE_KEY] = arrays_to_record(state, {})
+    _tally(context, "folded")
     what = "none" if counted == NOT_COUNTED else f"version {counted}"
     log.info(
         "node %s: the update of version %d did not count (last counted: %s); it is back in the residual",
@@ -228,6 +240,15 @@ def settle_pending(
         version,
         what,
     )
+
+
+def _tally(context: Context, outcome: str) -> None:
+    """Count one settled (or delivered) payload in :data:`FEEDBACK_COUNTS_KEY`."""
+    counts = context.state.get(FEEDBACK_COUNTS_KEY) or ConfigRecord(
+        {"delivered": 0, "counted": 0, "folded": 0, "lost": 0}
+    )
+    counts[outcome] = int(counts.get(outcome, 0)) + 1
+    context.state[FEEDBACK_COUNTS_KEY] = counts
 
 
 @lru_cache(maxsize=16)

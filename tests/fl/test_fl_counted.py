@@ -266,3 +266,17 @@ def test_decoding_strategy_counts_every_accepted_reply_when_the_wrapped_strategy
     restored = DecodingStrategy(FedAvg(), CompressionConfig("fp32"))
     restored.load_state_dict(strategy.state_dict())
     assert restored.channel.counted == strategy.channel.counted
+
+
+def test_every_delivered_payload_is_tallied_as_counted_folded_lost_or_pending():
+    from fedge.client.compression_mod import FEEDBACK_COUNTS_KEY
+
+    mod, context = CompressionMod(), _context()
+    _train(mod, context, 1, NOT_COUNTED)  # delivers version 1
+    _train(mod, context, 2, 1)  # version 1 counted; delivers 2
+    _train(mod, context, 3, 1)  # version 2 did not count: folded back; delivers 3
+    context.state[PENDING_KEY] = ConfigRecord({"payload": b"garbage", "version": 3})
+    _train(mod, context, 4, NOT_COUNTED)  # the damaged pending payload cannot be restored: lost
+    counts = context.state[FEEDBACK_COUNTS_KEY]
+    assert (counts["delivered"], counts["counted"], counts["folded"], counts["lost"]) == (4, 1, 1, 1)
+    assert PENDING_KEY in context.state  # version 4, waiting for its verdict
