@@ -41,6 +41,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from fedge.compression import DEFAULT_MAX_ELEMENTS, Codec, CodecError, ErrorFeedback, build_codec
+from fedge.compression.wire import DTYPES
 from fedge.protocol.records import (
     APPROXIMATE,
     FULL,
@@ -118,7 +119,7 @@ class CompressionMod:
             return reply
         try:
             update = _update(reply.content, received)
-            payload = self._encode(feedback, update, context, instruction)
+            payload = self._encode(feedback, update, context, instruction, dtypes)
         except (ProtocolError, CodecError) as err:
             log.warning("node %s: cannot encode the update: %s", context.node_id, err)
             return _error_reply(msg, f"fedge compression: {err}")
@@ -171,13 +172,20 @@ class CompressionMod:
 
     @staticmethod
     def _encode(
-        feedback: ErrorFeedback, update: dict[str, np.ndarray], context: Context, instruction: Instruction
+        feedback: ErrorFeedback,
+        update: dict[str, np.ndarray],
+        context: Context,
+        instruction: Instruction,
+        dtypes: dict[str, str],
     ) -> bytes:
         state: dict[str, np.ndarray] = {}
         if EF_STATE_KEY in context.state:
             state = record_to_arrays(context.state[EF_STATE_KEY])[0]
         seed = zlib.crc32(f"{context.node_id}/{instruction.version}".encode())
-        payload = feedback.encode(update, state, seed=seed)
+        # The app's own dtypes: integer buffers (BatchNorm's num_batches_tracked) then travel exactly.
+        # Dtypes the wire format has no code for (uint16, complex, ...) go as float32, as before.
+        known = {name: dtype for name, dtype in dtypes.items() if dtype in DTYPES}
+        payload = feedback.encode(update, state, seed=seed, dtypes=known)
         context.state[EF_STATE_KEY] = arrays_to_record(state, {})
         return payload
 

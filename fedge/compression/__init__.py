@@ -12,6 +12,7 @@ Decoding untrusted bytes raises only :class:`CodecError` subclasses. The spec gr
 """
 
 from fedge.compression.codec import DEFAULT_DENSE_PATTERNS, Codec, TensorPolicy, dense_nbytes
+from fedge.compression.describe import describe_codec
 from fedge.compression.errors import (
     CodecConfigError,
     CodecError,
@@ -72,6 +73,7 @@ __all__ = [
     "decode",
     "decode_add",
     "dense_nbytes",
+    "describe_codec",
     "inspect_payload",
     "position_bound_bits",
 ]

@@ -1,22 +1,28 @@
 """The codec: a pipeline (sparsify or low rank → quantize → encode) with a per-tensor policy.
 
-A :class:`Codec` turns a mapping of named float arrays into one self-describing byte string. For each
-tensor it picks one of four record kinds:
+A :class:`Codec` turns a mapping of named arrays (any shape, 0-d included) into one self-describing byte
+string. For each tensor it picks one of five record kinds:
 
+* *zero* — no body at all, for a tensor whose values are all 0 (the delta of an unchanged tensor: a
+  frozen layer, a buffer that did not move);
 * *dense* — every value through the value stage; used when there is no sparsifier or low-rank stage,
   and for tensors the :class:`TensorPolicy` keeps dense (small ones, biases, norms), which use the
-  policy's dense stage (fp32, fp16 or bf16) instead;
+  policy's dense stage (fp32, fp16 or bf16) instead; integer and bool tensors (``num_batches_tracked``,
+  masks) always go dense fp32, which holds their whole numbers exactly;
 * *sparse* — positions chosen by top-k or threshold, Golomb–Rice coded, then their values;
 * *randk* — a seed from which the decoder regenerates the positions, then the values;
 * *lowrank* — PowerSGD factors of a tensor with two or more dimensions.
 
 Whatever was chosen, a record that comes out bigger than the dense fp32 record is replaced by the
-policy's dense record: a tensor is never sent bigger than dense.
+policy's dense record: a tensor is never sent bigger than dense. And if the whole payload is still
+bigger than the plain ``fp32`` codec's (a tiny model, where the spec string and headers dominate), the
+``fp32`` payload is sent instead: a payload is never bigger than dense either.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -33,6 +39,7 @@ from fedge.compression.sparsify import RandomK, Threshold, TopK, check_finite, r
 from fedge.compression.wire import (
     DENSE,
     DTYPES,
+    INTEGER_DTYPES,
     LOWRANK,
     MAGIC,
     MAX_NAME_BYTES,
@@ -41,10 +48,18 @@ from fedge.compression.wire import (
     RANDOM,
     SPARSE,
     VERSION,
+    ZERO,
     write_tensor_header,
 )
 
-__all__ = ["DEFAULT_DENSE_PATTERNS", "Codec", "Sparsifier", "TensorPolicy", "dense_nbytes"]
+__all__ = [
+    "DEFAULT_DENSE_PATTERNS",
+    "Codec",
+    "Sparsifier",
+    "TensorPolicy",
+    "dense_nbytes",
+    "dense_record_size",
+]
 
 Sparsifier = TopK | RandomK | Threshold
 DEFAULT_DENSE_PATTERNS = ("*bias*", "*norm*", "*bn*", "*running_mean*", "*running_var*", "*num_batches*")
@@ -136,18 +151,29 @@ class Codec:
         *,
         state: dict[str, np.ndarray] | None = None,
         seed: int = 0,
+        dtypes: Mapping[str, str] | None = None,
     ) -> bytes:
-        """Encode named tensors into one payload.
+        """Encode named tensors into one payload, never bigger than the same tensors sent dense in fp32.
+
+        Per tensor the smallest of these records is written: *zero* when every value is 0 (an unchanged
+        tensor's delta), exact dense fp32 for integer and bool tensors, otherwise the pipeline's record
+        unless it is bigger than the dense fp32 record. If the whole payload still comes out bigger than
+        the plain ``fp32`` codec's (tiny models: the spec string and record headers dominate), that
+        payload is returned instead.
 
         Parameters
         ----------
         tensors : Mapping[str, np.ndarray]
-            Arrays of a numeric dtype (see ``DTYPES``); values are sent as float32.
+            Arrays of a numeric dtype (see ``DTYPES``), any shape including 0-d; values are sent as float32.
         state : dict or None, default None
             Codec memory across rounds, updated in place: PowerSGD keeps each tensor's warm-start factor
             under ``"powersgd/q/<name>"``. Without it PowerSGD starts cold every call.
         seed : int, default 0
             Drives stochastic rounding, sampling in fast top-k and random-k positions; 0 ≤ seed < 2**63.
+        dtypes : Mapping[str, str] or None, default None
+            The tensors' own dtypes when ``tensors`` holds float32 copies of them (as
+            :func:`fedge.protocol.records.record_to_arrays` makes): written to the header, and integer or
+            bool tensors are sent exactly. Missing names use the array's dtype.
 
         Raises
         ------
@@ -156,6 +182,20 @@ class Codec:
         NonFiniteValueError
             When a tensor holds NaN or infinity.
         """
+        payload = self._encode_all(tensors, state, seed, dtypes or {})
+        if len(payload) > dense_nbytes(tensors) and self != _FP32:  # cheap test first: dense > 4 B/value
+            dense = _FP32._encode_all(tensors, None, seed, dtypes or {})
+            if len(dense) < len(payload):
+                return dense
+        return payload
+
+    def _encode_all(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        state: dict[str, np.ndarray] | None,
+        seed: int,
+        dtypes: Mapping[str, str],
+    ) -> bytes:
         if not 0 <= seed < 1 << 63:
             raise CodecConfigError(f"seed must be in [0, 2**63), got {seed}")
         if len(tensors) > MAX_TENSORS:
@@ -168,7 +208,8 @@ class Codec:
         put_varint(out, len(tensors))
         for index, (name, array) in enumerate(tensors.items()):
             try:
-                self._encode_tensor(out, name, array, np.random.default_rng([seed, index]), state)
+                rng = np.random.default_rng([seed, index])
+                self._encode_tensor(out, name, array, dtypes.get(name), rng, state)
             except CodecError as error:
                 raise type(error)(f"tensor {name!r}: {error}") from None
         out += zlib.crc32(out).to_bytes(4, "little")
@@ -179,19 +220,31 @@ class Codec:
         out: bytearray,
         name: str,
         array: np.ndarray,
+        dtype: str | None,
         rng: np.random.Generator,
         state: dict[str, np.ndarray] | None,
     ) -> None:
         array = np.asarray(array)
         if array.dtype.name not in DTYPES:
             raise InvalidTensorError(f"unsupported dtype {array.dtype}")
+        dtype = array.dtype.name if dtype is None else str(dtype)
+        if dtype not in DTYPES:
+            raise InvalidTensorError(f"unsupported declared dtype {dtype!r}")
         if array.ndim > MAX_NDIM:
             raise InvalidTensorError(f"{array.ndim} dimensions exceed {MAX_NDIM}")
         raw_name = name.encode() if isinstance(name, str) else b""
         if not 0 < len(raw_name) <= MAX_NAME_BYTES:
             raise InvalidTensorError(f"name must be a non-empty str of at most {MAX_NAME_BYTES} UTF-8 bytes")
-        write_tensor_header(out, raw_name, DTYPES.index(array.dtype.name), array.shape)
+        write_tensor_header(out, raw_name, DTYPES.index(dtype), array.shape)
         flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
+        if not flat.any():  # NaN counts as nonzero, so it still reaches the finiteness checks
+            out.append(ZERO)  # one byte: an unchanged tensor, a zero delta, an empty tensor
+            return
+        if dtype in INTEGER_DTYPES:  # counters, masks: whole numbers, exact in fp32 up to 2**24
+            check_finite(flat)
+            out.append(DENSE)
+            Float32().encode(flat, rng, out)
+            return
         start = len(out)
         if self.policy.keeps_dense(name, flat.size):
             check_finite(flat)
@@ -199,11 +252,48 @@ class Codec:
             self.policy.dense_stage.encode(flat, rng, out)
             return
         self._encode_compressed(out, name, array.shape, flat, rng, state)
-        dense_size = 2 + _varint_size(4 * flat.size) + 4 * flat.size  # kind, code, body length, body
-        if len(out) - start > dense_size:  # never bigger than dense
+        if len(out) - start > dense_record_size(flat.size):  # never bigger than dense
             del out[start:]
             out.append(DENSE)
             self.policy.dense_stage.encode(flat, rng, out)
+
+    def plan(
+        self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        """How each tensor of a model with these shapes travels, before looking at any values.
+
+        Returns, by name, ``"exact"`` (integer or bool: dense fp32), ``"dense"`` (kept dense by the policy,
+        or the codec has no sparsifier or low-rank stage), or the pipeline's kind (``"sparse"``,
+        ``"randk"``, ``"lowrank"``). Any tensor is sent as a one-byte ``"zero"`` record when all its values
+        are 0, and a compressed record that would be bigger than dense is sent dense.
+        """
+        dtypes = dtypes or {}
+        kinds = {}
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            if str(dtypes.get(name, "float32")) in INTEGER_DTYPES:
+                kinds[name] = "exact"
+            elif self.policy.keeps_dense(name, size):
+                kinds[name] = "dense"
+            elif isinstance(self.sparsifier, TopK | Threshold):
+                kinds[name] = "sparse"
+            elif isinstance(self.sparsifier, RandomK):
+                kinds[name] = "randk"
+            elif self.lowrank is not None and len(shape) >= 2:
+                rows, cols = matrix_shape(shape)
+                kinds[name] = "lowrank" if self.lowrank.rank_for(rows, cols) else "dense"
+            else:
+                kinds[name] = "dense"
+        return kinds
+
+    def describe(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None = None) -> str:
+        """One line for a run header: how this codec treats a model's tensors, and the expected bytes.
+
+        See :func:`fedge.compression.describe_codec`.
+        """
+        from fedge.compression.describe import describe_codec  # here: describe imports this module
+
+        return describe_codec(self, shapes, dtypes)
 
     def _encode_compressed(
         self,
@@ -254,6 +344,14 @@ class Codec:
 
 def _varint_size(value: int) -> int:
     return max(1, -(-value.bit_length() // 7))
+
+
+def dense_record_size(size: int) -> int:
+    """Bytes of a dense fp32 record body of ``size`` values: kind, value code, body length, body."""
+    return 2 + _varint_size(4 * size) + 4 * size
+
+
+_FP32 = Codec()  # what "dense" means for the whole-payload bound
 
 
 def _stage_spec(stage: Any) -> str:

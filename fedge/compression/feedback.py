@@ -69,6 +69,7 @@ class ErrorFeedback:
         *,
         seed: int = ...,
         return_sent: Literal[False] = ...,
+        dtypes: Mapping[str, str] | None = ...,
     ) -> bytes: ...
 
     @overload
@@ -79,6 +80,7 @@ class ErrorFeedback:
         *,
         seed: int = ...,
         return_sent: Literal[True],
+        dtypes: Mapping[str, str] | None = ...,
     ) -> tuple[bytes, dict[str, np.ndarray]]: ...
 
     def encode(
@@ -88,6 +90,7 @@ class ErrorFeedback:
         *,
         seed: int = 0,
         return_sent: bool = False,
+        dtypes: Mapping[str, str] | None = None,
     ) -> bytes | tuple[bytes, dict[str, np.ndarray]]:
         """Encode ``update`` plus the stored residual, and store the new residual in ``state``.
 
@@ -101,6 +104,8 @@ class ErrorFeedback:
             Passed to :meth:`Codec.encode`.
         return_sent : bool, default False
             Also return the float32 arrays the payload decodes to.
+        dtypes : Mapping[str, str] or None, default None
+            The tensors' own dtypes, passed to :meth:`Codec.encode` (integer tensors travel exactly).
 
         Returns
         -------
@@ -112,10 +117,13 @@ class ErrorFeedback:
             values = np.asarray(array, dtype=np.float32)
             if self.momentum:
                 velocity = self._load(state, MOMENTUM_PREFIX + name, values.shape)
-                values = values + np.float32(self.momentum) * velocity
+                # np.add(..., out=) keeps 0-d tensors arrays: `a + b` of two 0-d arrays is a numpy scalar,
+                # which decode_add cannot write into.
+                values = np.add(values, np.float32(self.momentum) * velocity, out=np.empty_like(values))
                 state[MOMENTUM_PREFIX + name] = values
-            accumulated[name] = values + self._load(state, RESIDUAL_PREFIX + name, values.shape)
-        payload = self.codec.encode(accumulated, state=state, seed=seed)
+            residual = self._load(state, RESIDUAL_PREFIX + name, values.shape)
+            accumulated[name] = np.add(values, residual, out=np.empty(values.shape, dtype=np.float32))
+        payload = self.codec.encode(accumulated, state=state, seed=seed, dtypes=dtypes)
         limit = max(1, sum(a.size for a in accumulated.values()))
         sent = decode(payload, max_elements=limit) if return_sent or self.momentum else None
         for name, residual in accumulated.items():

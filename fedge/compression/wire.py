@@ -4,6 +4,7 @@ Layout (all integers little-endian or LEB128 varints; see ``docs/wire-format.md`
 
     payload := "FEDC" version:u8 flags:u8 spec_len:varint spec n_tensors:varint record* crc32:u32
     record  := name_len:varint name dtype:u8 ndim:u8 dim:varint* kind:u8 body
+    (kind 4, "zero", has an empty body: the tensor is all zeros, e.g. an unchanged tensor's delta)
 
 Decoding validates the whole payload (CRC32, every size against what the header implies, the element
 cap, finite values and scales) before it materialises or adds anything, so :func:`decode_add` either
@@ -51,8 +52,11 @@ MAX_NAME_BYTES = 1024
 MAX_SPEC_BYTES = 4096
 MAX_NDIM = 32
 DTYPES = ("float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
-DENSE, SPARSE, RANDOM, LOWRANK = 0, 1, 2, 3
-KINDS = ("dense", "sparse", "randk", "lowrank")
+DENSE, SPARSE, RANDOM, LOWRANK, ZERO = 0, 1, 2, 3, 4
+KINDS = ("dense", "sparse", "randk", "lowrank", "zero")
+INTEGER_DTYPES = frozenset(DTYPES[3:])  # values are whole numbers: sent exactly, never quantized
+NO_VALUES = 255
+"""``TensorInfo.value_code`` of a zero record, which has no value block."""
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _MAX_DIM = 1 << 62
 _ADD_CHUNK = 1 << 22  # elements of a low-rank product formed at once by decode_add
@@ -197,6 +201,9 @@ def _read_record(reader: Reader, name: str, shape: tuple[int, ...], dtype: str, 
     positions = None
     factors = None
     positions_start = reader.offset
+    if kind == ZERO:  # no body: nothing to validate, nothing allocated until decode() densifies
+        info = TensorInfo(name, shape, dtype, KINDS[kind], NO_VALUES, 0, 0, 0, reader.offset - start)
+        return _Record(info, np.zeros(0, dtype=np.int64), _no_values, None)
     if kind == DENSE:
         count = size
     elif kind in (SPARSE, RANDOM):
@@ -234,6 +241,10 @@ def _read_record(reader: Reader, name: str, shape: tuple[int, ...], dtype: str, 
         record_bytes=reader.offset - start,
     )
     return _Record(info, positions, values, factors)
+
+
+def _no_values() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
 
 
 def _factors(values: np.ndarray, rows: int, cols: int, rank: int, what: str) -> tuple[np.ndarray, np.ndarray]:

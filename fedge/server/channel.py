@@ -172,7 +172,7 @@ class CompressedChannel:
         report = self.reports[server_round] = RoundReport()
         self._sent.clear()
         nodes = [message.metadata.dst_node_id for message in messages]
-        downloads = self.broadcast.prepare(server_round, model, nodes) if self.broadcast else {}
+        downloads = self.broadcast.prepare(server_round, model, nodes, dtypes) if self.broadcast else {}
         # One content per distinct (original content, download, counted): messages that shared one still
         # do. Most sampled nodes were counted in the previous round, so few contents are made.
         contents: dict[tuple[int, int, int], RecordDict] = {}

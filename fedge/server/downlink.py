@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedge.compression import Codec, build_codec
+from fedge.compression.wire import DTYPES
 from fedge.protocol.records import APPROXIMATE, FULL
 from fedge.protocol.reference import advance_reference, snap_to_grid
 
@@ -94,19 +95,25 @@ class ModelBroadcast:
         self._holders: dict[int, int] = {}
 
     def prepare(
-        self, version: int, model: Mapping[str, np.ndarray], node_ids: Iterable[int]
+        self,
+        version: int,
+        model: Mapping[str, np.ndarray],
+        node_ids: Iterable[int],
+        dtypes: Mapping[str, str] | None = None,
     ) -> dict[int, Download]:
         """Advance the reference to ``version`` towards ``model`` and return each node's download.
 
         Nodes known to hold the previous version get the delta; the others the full reference.
+        ``dtypes`` (the tensors' own dtypes) makes integer buffers travel exactly in both.
         """
+        dtypes = {name: dtype for name, dtype in (dtypes or {}).items() if dtype in DTYPES}
         node_ids = list(node_ids)
         previous = self.version
         up_to_date = {n for n in node_ids if previous is not None and self._holders.get(n) == previous}
         delta = None
         if up_to_date:
             difference = {name: model[name] - self.reference[name] for name in self.reference}
-            delta = Download(previous, self._delta_codec.encode(difference, seed=version))
+            delta = Download(previous, self._delta_codec.encode(difference, seed=version, dtypes=dtypes))
             del difference
             self.reference = advance_reference(
                 self.reference, delta.payload, full=False, grid=self.config.grid, max_elements=_size(model)
@@ -120,7 +127,9 @@ class ModelBroadcast:
         self._holders.clear()  # from now on only replies to this round's messages tell who holds what
         full = None
         if len(up_to_date) < len(node_ids):
-            full = Download(FULL if self._exact else APPROXIMATE, self._full_codec.encode(self.reference))
+            full = Download(
+                FULL if self._exact else APPROXIMATE, self._full_codec.encode(self.reference, dtypes=dtypes)
+            )
         return {node: delta if node in up_to_date else full for node in node_ids}
 
     def confirm(self, node_id: int, version: int, download: Download) -> None:

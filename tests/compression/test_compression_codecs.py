@@ -128,12 +128,13 @@ def test_a_tensor_is_never_sent_bigger_than_dense() -> None:
 
 
 def test_inspect_reports_names_shapes_dtypes_and_the_spec() -> None:
-    tensors = {"a": np.ones((3, 4), dtype=np.float64), "b": np.arange(5, dtype=np.int32)}
+    # big enough that int8 beats the dense fp32 payload (smaller payloads are sent as that one instead)
+    tensors = {"a": np.ones((30, 40), dtype=np.float64), "b": np.arange(5, dtype=np.int32)}
     codec = build_codec("int8")
     info = inspect_payload(codec.encode(tensors))
     assert info.spec == codec.spec
     assert [(t.name, t.shape, t.dtype) for t in info.tensors] == [
-        ("a", (3, 4), "float64"),
+        ("a", (30, 40), "float64"),
         ("b", (5,), "int32"),
     ]
 
