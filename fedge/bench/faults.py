@@ -234,11 +234,13 @@ class _Trial:
             context = read_saved_context(self.root / f"agent-{index}")
             state = context.state if context is not None else {}
             tally = state.get(FEEDBACK_COUNTS_KEY) if context is not None else None
-            delivered, told, folded, dropped = (
-                (int(tally[k]) for k in ("delivered", "counted", "folded", "lost")) if tally else (0, 0, 0, 0)
+            delivered, told, folded, refused, dropped = (
+                (int(tally.get(k, 0)) for k in ("delivered", "counted", "folded", "discarded", "lost"))
+                if tally
+                else (0, 0, 0, 0, 0)
             )
             pending = int(PENDING_KEY in state)
-            lost += dropped + abs(delivered - told - folded - dropped - pending)
+            lost += dropped + abs(delivered - told - folded - refused - dropped - pending)
             audited = len(counted.get(f"sim-{index}", []))
             double += max(0, audited - told - pending)
             lost += max(0, told - audited)

@@ -78,9 +78,9 @@ PENDING_KEY = "fedge.pending-update"
 until the next instruction says whether it counted."""
 FEEDBACK_COUNTS_KEY = "fedge.feedback-counts"
 """``Context.state`` ConfigRecord: how the node's replies were settled, for the operator and the faults
-bench: ``delivered`` (payloads left pending), ``counted``, ``folded`` (back into the residual) and ``lost``
-(dropped unsettled: damaged, or the node's state was older than its replies). Every delivered payload is
-counted, folded, lost, or still pending."""
+bench: ``delivered`` (payloads left pending), ``counted``, ``folded`` (back into the residual),
+``discarded`` (refused by the coordinator's screening) and ``lost`` (dropped unsettled: damaged, or the
+node's state was older than its replies). Every delivered payload is one of these, or still pending."""
 
 
 class CompressionMod:
@@ -105,7 +105,9 @@ class CompressionMod:
             instruction = Instruction.from_record(msg.content[INSTRUCTION_KEY])
             # Before anything else can fail: the verdict on the last reply is known now, and a node that
             # cannot train this round must not keep its payload waiting for a verdict already given.
-            settle_pending(context, instruction.counted, max_elements=self.max_elements)
+            settle_pending(
+                context, instruction.counted, max_elements=self.max_elements, discarded=instruction.discarded
+            )
             feedback = ErrorFeedback(_codec(instruction.codec), momentum=instruction.ef_momentum)
             received, dtypes = self._received_model(msg, context, instruction)
         except (ProtocolError, CodecError) as err:
@@ -191,7 +193,11 @@ class CompressionMod:
 
 
 def settle_pending(
-    context: Context, counted: int | None, *, max_elements: int = DEFAULT_MAX_ELEMENTS
+    context: Context,
+    counted: int | None,
+    *,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    discarded: int | None = None,
 ) -> None:
     """Settle the node's pending payload with the coordinator's ``counted``; it leaves ``Context.state``.
 
@@ -204,6 +210,9 @@ def settle_pending(
         :data:`fedge.protocol.records.NOT_COUNTED`, or None (not tracked: the payload is taken as counted).
     max_elements : int (default: 2**28)
         Cap on the elements the stored payload may claim.
+    discarded : int or None (default: None)
+        The instruction's ``discarded``: the version of an update the coordinator refused as bad; that
+        payload is dropped, not folded back.
     """
     if PENDING_KEY not in context.state:
         return
@@ -216,6 +225,12 @@ def settle_pending(
         return
     if counted is None or counted == version:
         _tally(context, "counted")
+        return
+    if discarded == version:  # refused as bad: sending it again would only be refused again, bigger
+        log.info(
+            "node %s: the update of version %d was refused by screening; dropped", context.node_id, version
+        )
+        _tally(context, "discarded")
         return
     if counted > version:
         # The coordinator counted a later update than this node remembers sending: its state is older than
@@ -253,7 +268,7 @@ def settle_pending(
 def _tally(context: Context, outcome: str) -> None:
     """Count one settled (or delivered) payload in :data:`FEEDBACK_COUNTS_KEY`."""
     counts = context.state.get(FEEDBACK_COUNTS_KEY) or ConfigRecord(
-        {"delivered": 0, "counted": 0, "folded": 0, "lost": 0}
+        {"delivered": 0, "counted": 0, "folded": 0, "discarded": 0, "lost": 0}
     )
     counts[outcome] = int(counts.get(outcome, 0)) + 1
     context.state[FEEDBACK_COUNTS_KEY] = counts

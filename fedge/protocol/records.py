@@ -18,6 +18,8 @@ model          bytes   only for compressed downloads: a codec payload, delta or 
 dtypes         [str]   only with a full model, and only if some tensor is not float32: ``"name=dtype"``
 counted        int     the version (``base``) of this node's last update the coordinator aggregated, or
                        :data:`NOT_COUNTED`; absent when the coordinator does not keep track
+discarded      int     only after screening rejected this node's update as bad (an outlier, non-finite,
+                       of the wrong tensors): its version; the client drops it instead of sending it again
 =============  ======  ===================================================================================
 
 Without ``model`` the instruction also holds the model as a dense ArrayRecord, as Flower sends it.
@@ -30,8 +32,11 @@ delivered, but a reply can be lost (late, dropped, rejected by screening, or agg
 crashed coordinator never checkpointed). So the client keeps its last payload and its ``base`` until its
 next instruction: if ``counted`` equals that ``base`` the update is in the coordinator's model; if it is
 smaller (or :data:`NOT_COUNTED`) it is not, and the client adds the payload back into its residual, to be
-sent again. A client that is not sampled keeps its payload until it is next instructed. Without the field
-(a coordinator that does not track it) the client assumes every reply counted, as before the field existed.
+sent again. A client that is not sampled keeps its payload until it is next instructed. An update the
+coordinator's screening refused as bad is named by ``discarded``: folding it back would only send it again,
+bigger each time (and, in a round too small for the outlier test, let it through), so the client drops it.
+Without ``counted`` (a coordinator that does not track it) the client assumes every reply counted, as before
+the field existed.
 
 The reference-model step both sides compute is in :mod:`fedge.protocol.reference`.
 """
@@ -95,6 +100,8 @@ class Instruction:
     counted : int or None (default: None)
         Version of this node's last update the coordinator aggregated, :data:`NOT_COUNTED` if none;
         None when the coordinator does not keep track (not sent; clients assume every reply counted).
+    discarded : int or None (default: None)
+        Version of this node's last update the coordinator's screening refused as bad; None if none.
     """
 
     codec: str
@@ -106,6 +113,7 @@ class Instruction:
     model: bytes | None = None
     dtypes: tuple[str, ...] = ()
     counted: int | None = None
+    discarded: int | None = None
 
     @property
     def full(self) -> bool:
@@ -129,6 +137,8 @@ class Instruction:
             record["dtypes"] = list(self.dtypes)
         if self.counted is not None:
             record["counted"] = self.counted
+        if self.discarded is not None:
+            record["discarded"] = self.discarded
         return record
 
     def dtype_map(self) -> dict[str, str]:
@@ -167,6 +177,10 @@ class Instruction:
             fields["counted"] = _field(record, "counted", int)
             if fields["counted"] < NOT_COUNTED:
                 raise ProtocolError(f"instruction counted {fields['counted']} is not a version")
+        if "discarded" in record:
+            fields["discarded"] = _field(record, "discarded", int)
+            if fields["discarded"] < 0:
+                raise ProtocolError(f"instruction discarded {fields['discarded']} is not a version")
         return cls(**fields)
 
 

@@ -64,6 +64,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+DISCARDED_REASONS = frozenset({"norm_outlier", "weight_outlier", "non_finite", "wrong_tensors", "bad_weight"})
+"""Rejections of the update itself: the client is told to drop it rather than fold it back. ``stale``,
+``no_update`` and ``undecodable`` replies (bytes damaged on the way) are merely lost, and fold back."""
+
 COUNTED_NODES_KEY = "counted/node-ids"
 """``state_dict`` key: int64 node ids of the counted map (aligned with :data:`COUNTED_VERSIONS_KEY`)."""
 COUNTED_VERSIONS_KEY = "counted/versions"
@@ -155,6 +159,7 @@ class CompressedChannel:
         self.broadcast = ModelBroadcast(config.downlink) if config.downlink else None
         self.reports: dict[int, RoundReport] = {}
         self.counted: dict[int, int] = {}  # node -> version of its last update the strategy aggregated
+        self.discarded: dict[int, int] = {}  # node -> version of its last update screening refused as bad
         self._sent: dict[int, tuple[int, Download | None]] = {}  # node -> (version, download) this round
 
     def instruct(
@@ -175,14 +180,16 @@ class CompressedChannel:
         downloads = self.broadcast.prepare(server_round, model, nodes, dtypes) if self.broadcast else {}
         # One content per distinct (original content, download, counted): messages that shared one still
         # do. Most sampled nodes were counted in the previous round, so few contents are made.
-        contents: dict[tuple[int, int, int], RecordDict] = {}
+        contents: dict[tuple[int, int, int, int | None], RecordDict] = {}
         for message, node in zip(messages, nodes, strict=True):
             download = downloads.get(node)
-            counted = self.counted.get(node, NOT_COUNTED)
+            counted, discarded = self.counted.get(node, NOT_COUNTED), self.discarded.get(node)
             self._sent[node] = (server_round, download)
-            key = (id(message.content), id(download), counted)
+            key = (id(message.content), id(download), counted, discarded)
             if key not in contents:
-                contents[key] = self._content(message.content, server_round, download, dtypes, counted)
+                contents[key] = self._content(
+                    message.content, server_round, download, dtypes, counted, discarded
+                )
             message.content = contents[key]
             if download is not None:
                 report.downloads_delta += download.is_delta
@@ -197,6 +204,7 @@ class CompressedChannel:
         download: Download | None,
         dtypes: Mapping[str, str],
         counted: int,
+        discarded: int | None = None,
     ) -> RecordDict:
         array_keys = [key for key, value in content.items() if isinstance(value, ArrayRecord)]
         if len(array_keys) != 1:
@@ -208,6 +216,7 @@ class CompressedChannel:
             arrays_key=array_keys[0],
             grid=self.config.downlink.grid if self.config.downlink else "fp32",
             counted=counted,
+            discarded=discarded,
         )
         out = RecordDict(dict(content.items()))
         if download is not None:
@@ -298,9 +307,11 @@ class CompressedChannel:
         self.counted = {int(n): int(v) for n, v in zip(nodes, versions, strict=True)}
 
     def reject(self, server_round: int, node_id: int, rejection: Rejected) -> None:
-        """Log and count a rejected reply."""
+        """Log and count a rejected reply; an update refused as bad is discarded, not sent again."""
         log.warning("round %d: rejected the reply of node %d: %s", server_round, node_id, rejection)
         self.reports.setdefault(server_round, RoundReport()).rejected[rejection.reason] += 1
+        if rejection.reason in DISCARDED_REASONS and node_id in self._sent:
+            self.discarded[node_id] = self._sent[node_id][0]
 
     def round_metrics(self, server_round: int) -> dict[str, float]:
         """The round's figures (empty if the round is unknown)."""

@@ -280,3 +280,28 @@ def test_every_delivered_payload_is_tallied_as_counted_folded_lost_or_pending():
     counts = context.state[FEEDBACK_COUNTS_KEY]
     assert (counts["delivered"], counts["counted"], counts["folded"], counts["lost"]) == (4, 1, 1, 1)
     assert PENDING_KEY in context.state  # version 4, waiting for its verdict
+
+
+def test_an_update_screening_refused_is_dropped_not_sent_again():
+    """Folding a refused update back would send it again, bigger: the coordinator says to drop it."""
+    from fedge.client.compression_mod import FEEDBACK_COUNTS_KEY
+    from fedge.server.channel import CompressedChannel
+    from fedge.server.screening import Rejected
+
+    mod, context = CompressionMod(), _context()
+    _train(mod, context, 1, NOT_COUNTED)
+    residual = _residual(context)
+    channel = CompressedChannel(CompressionConfig("topk:0.1+int8"))
+    message = Message(RecordDict({"arrays": arrays_to_record(MODEL, {})}), 7, "train")
+    channel.instruct(1, [message], MODEL, {})
+    channel.reject(1, 7, Rejected("norm_outlier", "update norm 40 vs round median 1"))
+    channel.reject(1, 8, Rejected("stale", "not sent this round: ignored"))
+    (instruction,) = channel.instruct(
+        2, [Message(RecordDict({"arrays": arrays_to_record(MODEL, {})}), 7, "train")], MODEL, {}
+    )
+    record = Instruction.from_record(instruction.content[INSTRUCTION_KEY])
+    assert (record.counted, record.discarded) == (NOT_COUNTED, 1)
+    settle_pending(context, record.counted, discarded=record.discarded)
+    assert PENDING_KEY not in context.state and context.state[FEEDBACK_COUNTS_KEY]["discarded"] == 1
+    for name, values in _residual(context).items():
+        np.testing.assert_array_equal(values, residual[name])  # nothing folded back
