@@ -82,13 +82,16 @@ def simulate(
     configure_logging(verbose)
     with config_errors():  # e.g. more clients than the task's data can be split into
         app = sim.app
-        prepare_task(app.task, app.task_args_json, sim.clients, alpha=app.alpha, seed=app.seed)
+        task = prepare_task(app.task, app.task_args_json, sim.clients, alpha=app.alpha, seed=app.seed)
     console = Console()
     console.print(
         f"[bold]fedge simulate[/]: {sim.clients} clients, {sim.app.rounds} rounds, engine {sim.engine}, "
         f"workers {sim.workers}, "
         f"task {sim.app.task}, alpha {sim.app.alpha}, seed {sim.app.seed}, codec {sim.app.codec or 'dense'}"
     )
+    for direction, spec in (("uplink", sim.app.codec), ("downlink", sim.app.downlink_codec)):
+        if spec:  # what each tensor of this model gets, and whether it pays off at all
+            console.print(f"{direction}: {_codec_policy(spec, task.task.model())}", highlight=False)
     completed: list[int] = []
     try:
         with RoundProgress(sim.app.rounds, console) as progress:
@@ -104,6 +107,16 @@ def simulate(
     console.print(
         f"metrics: {out / 'metrics.json'}\nplots:   {out / 'accuracy.png'}, {out / 'accuracy_vs_upload.png'}"
     )
+
+
+def _codec_policy(spec: str, model: Any) -> str:
+    """:func:`fedge.compression.describe_codec` for the task's model."""
+    from fedge.compression import build_codec, describe_codec
+
+    state = model.state_dict()
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    dtypes = {name: str(tensor.dtype).removeprefix("torch.") for name, tensor in state.items()}
+    return describe_codec(build_codec(spec), shapes, dtypes)
 
 
 def parse_task_args(pairs: list[str]) -> dict[str, Any]:
