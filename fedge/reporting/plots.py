@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,33 +29,39 @@ def plot_accuracy_vs_upload(
     runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, *, log_x: bool = False
 ) -> Path:
     """Accuracy vs cumulative upload MB, one line per named run (e.g. per codec)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, rounds in runs.items():
-        uploaded, cumulative = [], 0
-        for r in rounds:
-            cumulative += r["bytes_up"]
-            uploaded.append(cumulative / 1e6)
-        ax.plot(uploaded, [100 * r["accuracy"] for r in rounds], marker="o", markersize=3, label=label)
-    if log_x:
-        ax.set_xscale("log")
-    ax.set(xlabel="cumulative upload (MB)", ylabel="accuracy (%)", title="Accuracy vs upload")
-    ax.grid(alpha=0.3)
-    if len(runs) > 1:
-        ax.legend()
-    return _save(fig, path)
+
+    def megabytes(rounds: Sequence[Mapping[str, Any]]) -> list[float]:
+        return [sum(r["bytes_up"] for r in rounds[: i + 1]) / 1e6 for i in range(len(rounds))]
+
+    return _plot_runs(runs, megabytes, "cumulative upload (MB)", "Accuracy vs upload", path, log_x)
 
 
 def plot_accuracy_vs_time(
     runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, *, log_x: bool = False
 ) -> Path:
     """Accuracy vs simulated time (``sim_clock_s`` of each round, in hours), one line per named run."""
+
+    def hours(rounds: Sequence[Mapping[str, Any]]) -> list[float]:
+        return [r.get("sim_clock_s", 0.0) / 3600 for r in rounds]
+
+    return _plot_runs(runs, hours, "simulated time (h)", "Accuracy vs simulated time", path, log_x)
+
+
+def _plot_runs(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    x_of: Callable[[Sequence[Mapping[str, Any]]], list[float]],
+    xlabel: str,
+    title: str,
+    path: Path,
+    log_x: bool,
+) -> Path:
+    """Accuracy against ``x_of(rounds)``, one line per named run."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, rounds in runs.items():
-        hours = [r.get("sim_clock_s", 0.0) / 3600 for r in rounds]
-        ax.plot(hours, [100 * r["accuracy"] for r in rounds], marker="o", markersize=3, label=label)
+        ax.plot(x_of(rounds), [100 * r["accuracy"] for r in rounds], marker="o", markersize=3, label=label)
     if log_x:
         ax.set_xscale("log")
-    ax.set(xlabel="simulated time (h)", ylabel="accuracy (%)", title="Accuracy vs simulated time")
+    ax.set(xlabel=xlabel, ylabel="accuracy (%)", title=title)
     ax.grid(alpha=0.3)
     if len(runs) > 1:
         ax.legend()
