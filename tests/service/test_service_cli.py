@@ -64,7 +64,7 @@ def test_coordinator_stops_cleanly_on_sigterm_and_ctrl_c(broker, tmp_path, signu
     while not (state / "status.json").exists() and time.monotonic() < deadline:
         time.sleep(0.1)  # it is up and waiting for nodes
     process.send_signal(signum)
-    output, _ = process.communicate(timeout=30)
+    output, _ = process.communicate(timeout=180)  # closing the broker session is slow on a loaded machine
     assert process.returncode == code, output[-2000:]
     assert "stopped after round 0; 'fedge coordinator --resume'" in output
     assert "Traceback" not in output
