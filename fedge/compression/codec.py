@@ -237,7 +237,9 @@ class Codec:
             raise InvalidTensorError(f"name must be a non-empty str of at most {MAX_NAME_BYTES} UTF-8 bytes")
         write_tensor_header(out, raw_name, DTYPES.index(dtype), array.shape)
         flat = np.ascontiguousarray(array, dtype=np.float32).reshape(-1)
-        if not flat.any():  # NaN counts as nonzero, so it still reaches the finiteness checks
+        # NaN counts as nonzero, so it still reaches the finiteness checks. A nonzero among the first values
+        # settles it without scanning the whole tensor (the encode hot path of large models).
+        if not flat[:64].any() and not flat.any():
             out.append(ZERO)  # one byte: an unchanged tensor, a zero delta, an empty tensor
             return
         if dtype in INTEGER_DTYPES:  # counters, masks: whole numbers, exact in fp32 up to 2**24
