@@ -288,15 +288,6 @@ class Codec:
                 kinds[name] = "dense"
         return kinds
 
-    def describe(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None = None) -> str:
-        """One line for a run header: how this codec treats a model's tensors, and the expected bytes.
-
-        See :func:`fedge.compression.describe_codec`.
-        """
-        from fedge.compression.describe import describe_codec  # here: describe imports this module
-
-        return describe_codec(self, shapes, dtypes)
-
     def _encode_compressed(
         self,
         out: bytearray,
