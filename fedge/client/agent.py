@@ -47,6 +47,7 @@ from fedge.flower.compat import (
 )
 from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.importing import import_attribute
+from fedge.protocol.envelope import encode_message
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id, validate_name
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import Delivery, NodeEndpoint
@@ -294,7 +295,8 @@ class DeviceAgent:
                     reply_bytes = self._refusal_bytes(instruction_id, refused)
                 else:
                     context = state.context or self._fresh_context(message.metadata.run_id)
-                    reply_bytes = self._sign(message_to_bytes(self._run_app(message, context)))
+                    # The compact envelope where the reply's shape allows: the coordinator derives the rest.
+                    reply_bytes = self._sign(encode_message(self._run_app(message, context)))
                     expires_at = message.metadata.created_at + message.metadata.ttl
                     state.journal.add(instruction_id, expires_at, time.time(), self._skew_s)
                     self._save_state(context, instruction_id, reply_bytes, state.journal)

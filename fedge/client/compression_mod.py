@@ -40,7 +40,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, Message
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
-from fedge.compression import DEFAULT_MAX_ELEMENTS, Codec, CodecError, ErrorFeedback, build_codec
+from fedge.compression import (
+    DEFAULT_MAX_ELEMENTS,
+    Codec,
+    CodecError,
+    ErrorFeedback,
+    Schema,
+    bind,
+    build_codec,
+)
 from fedge.compression.wire import DTYPES
 from fedge.protocol.records import (
     APPROXIMATE,
@@ -126,7 +134,8 @@ class CompressionMod:
             log.warning("node %s: cannot encode the update: %s", context.node_id, err)
             return _error_reply(msg, f"fedge compression: {err}")
         content = RecordDict({k: v for k, v in reply.content.items() if not isinstance(v, ArrayRecord)})
-        content[UPDATE_KEY] = ConfigRecord({"payload": payload, "base": instruction.version})
+        wire = _bound(payload, feedback.codec, received, dtypes, instruction.schema) or payload
+        content[UPDATE_KEY] = ConfigRecord({"payload": wire, "base": instruction.version})
         if instruction.counted is not None:  # the coordinator will say whether this reply counted
             context.state[PENDING_KEY] = ConfigRecord({"payload": payload, "version": instruction.version})
             _tally(context, "delivered")
@@ -293,7 +302,24 @@ def _update(content: RecordDict, received: dict[str, np.ndarray]) -> dict[str, n
                 f"tensor {name!r}: reply shape {values.shape}, received {received[name].shape}"
             )
         values -= received[name]
-    return trained
+    return {name: trained[name] for name in received}  # the model's order, which the schema follows
+
+
+def _bound(
+    payload: bytes,
+    codec: Codec,
+    received: dict[str, np.ndarray],
+    dtypes: dict[str, str],
+    digest: int | None,
+) -> bytes | None:
+    """``payload`` bound to the coordinator's schema, if the instruction named one this node agrees with."""
+    if digest is None:
+        return None
+    schema = Schema.of(codec, received, {name: d for name, d in dtypes.items() if d in DTYPES})
+    if schema.digest != digest:
+        log.info("node's model schema differs from the coordinator's; sending a self-describing payload")
+        return None
+    return bind(payload, schema)
 
 
 def _error_reply(msg: Message, reason: str) -> Message:

@@ -11,6 +11,7 @@ Decoding untrusted bytes raises only :class:`CodecError` subclasses. The spec gr
 :mod:`fedge.compression.spec`, the byte layout in ``docs/wire-format.md``.
 """
 
+from fedge.compression.bound import Schema, bind, is_bound, unbind
 from fedge.compression.codec import DEFAULT_DENSE_PATTERNS, Codec, TensorPolicy, dense_nbytes
 from fedge.compression.describe import describe_codec
 from fedge.compression.errors import (
@@ -61,6 +62,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PowerSGD",
     "RandomK",
+    "Schema",
     "Sign",
     "TensorInfo",
     "TensorMismatchError",
@@ -69,11 +71,14 @@ __all__ = [
     "TopK",
     "TruncatedPayloadError",
     "UnsupportedVersionError",
+    "bind",
     "build_codec",
     "decode",
     "decode_add",
     "dense_nbytes",
     "describe_codec",
     "inspect_payload",
+    "is_bound",
     "position_bound_bits",
+    "unbind",
 ]

@@ -28,10 +28,10 @@ class RunGrid(Grid):
         self._run = Run.create_empty(run_id)
         self.on_wire: Callable[[Message, int], None] | None = None
 
-    def _report_wire(self, message: Message, data: bytes | bytearray) -> None:
-        """Tell :attr:`on_wire` how many bytes ``message`` took on the wire."""
+    def _report_wire(self, message: Message, data: bytes | bytearray | int) -> None:
+        """Tell :attr:`on_wire` how many bytes ``message`` took on the wire (``data`` or its length)."""
         if self.on_wire is not None:
-            self.on_wire(message, len(data))
+            self.on_wire(message, data if isinstance(data, int) else len(data))
 
     def set_run(self, run: Run) -> None:
         self._run = run

@@ -20,6 +20,10 @@ counted        int     the version (``base``) of this node's last update the coo
                        :data:`NOT_COUNTED`; absent when the coordinator does not keep track
 discarded      int     only after screening rejected this node's update as bad (an outlier, non-finite,
                        of the wrong tensors): its version; the client drops it instead of sending it again
+schema         int     the digest of the payload schema the coordinator expects (codec, tensor names,
+                       dtypes, shapes: :class:`fedge.compression.Schema`); a client whose own schema has
+                       that digest sends its payload bound to it (:func:`fedge.compression.bind`), without
+                       the header both ends know; absent, or another digest, and it sends a plain payload
 =============  ======  ===================================================================================
 
 Without ``model`` the instruction also holds the model as a dense ArrayRecord, as Flower sends it.
@@ -102,6 +106,8 @@ class Instruction:
         None when the coordinator does not keep track (not sent; clients assume every reply counted).
     discarded : int or None (default: None)
         Version of this node's last update the coordinator's screening refused as bad; None if none.
+    schema : int or None (default: None)
+        Digest of the payload schema the coordinator expects; None: send plain payloads.
     """
 
     codec: str
@@ -114,6 +120,7 @@ class Instruction:
     dtypes: tuple[str, ...] = ()
     counted: int | None = None
     discarded: int | None = None
+    schema: int | None = None
 
     @property
     def full(self) -> bool:
@@ -139,6 +146,8 @@ class Instruction:
             record["counted"] = self.counted
         if self.discarded is not None:
             record["discarded"] = self.discarded
+        if self.schema is not None:
+            record["schema"] = self.schema
         return record
 
     def dtype_map(self) -> dict[str, str]:
@@ -181,6 +190,10 @@ class Instruction:
             fields["discarded"] = _field(record, "discarded", int)
             if fields["discarded"] < 0:
                 raise ProtocolError(f"instruction discarded {fields['discarded']} is not a version")
+        if "schema" in record:
+            fields["schema"] = _field(record, "schema", int)
+            if not 0 <= fields["schema"] < 1 << 32:
+                raise ProtocolError(f"instruction schema {fields['schema']} is not a 32-bit digest")
         return cls(**fields)
 
 

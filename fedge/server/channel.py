@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from fedge.compression import CodecConfigError, build_codec
-from fedge.protocol.records import INSTRUCTION_KEY, NOT_COUNTED, Instruction
+from fedge.compression import CodecConfigError, Schema, build_codec
+from fedge.protocol.envelope import wire_size
+from fedge.protocol.records import INSTRUCTION_KEY, NOT_COUNTED, UPDATE_KEY, Instruction, arrays_to_record
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
 from fedge.server.screening import (
     REJECTION_REASONS,
@@ -111,8 +112,13 @@ class RoundReport:
         Train replies aggregated.
     rejected : Counter
         Rejected replies by reason (see :data:`fedge.server.screening.REJECTION_REASONS`).
+    wire_bytes, dense_wire_bytes : int
+        Bytes of the accepted replies as fedge's MQTT transport sends them
+        (:func:`fedge.protocol.envelope.wire_size`), and what the same replies would take dense (the model
+        as an ArrayRecord, Flower's protobuf): their ratio is the round's ``compression_ratio``.
     payload_bytes, dense_bytes : int
-        Upload payload bytes of accepted replies, and what they would be as dense float32.
+        Codec payload bytes of accepted replies as sent, and the same tensors as dense float32: their ratio
+        is ``payload_compression_ratio``.
     downloads_delta, downloads_full : int
         Train messages that carried a compressed delta, or a full model.
     download_payload_bytes : int
@@ -121,6 +127,8 @@ class RoundReport:
 
     accepted: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    wire_bytes: int = 0
+    dense_wire_bytes: int = 0
     payload_bytes: int = 0
     dense_bytes: int = 0
     downloads_delta: int = 0
@@ -132,7 +140,9 @@ class RoundReport:
         metrics: dict[str, float] = {
             "accepted": self.accepted,
             "rejected": sum(self.rejected.values()),
-            "compression_ratio": self.dense_bytes / self.payload_bytes if self.payload_bytes else 0.0,
+            "compression_ratio": self.dense_wire_bytes / self.wire_bytes if self.wire_bytes else 0.0,
+            "payload_compression_ratio": self.dense_bytes / self.payload_bytes if self.payload_bytes else 0.0,
+            "upload_wire_bytes": self.wire_bytes,
             "upload_payload_bytes": self.payload_bytes,
             "downloads_delta": self.downloads_delta,
             "downloads_full": self.downloads_full,
@@ -161,6 +171,12 @@ class CompressedChannel:
         self.counted: dict[int, int] = {}  # node -> version of its last update the strategy aggregated
         self.discarded: dict[int, int] = {}  # node -> version of its last update screening refused as bad
         self._sent: dict[int, tuple[int, Download | None]] = {}  # node -> (version, download) this round
+        self._codec = build_codec(config.codec)
+        self._schema: Schema | None = (
+            None  # the round's payload schema: replies bound to it drop their header
+        )
+        self._dtypes: dict[str, str] = {}
+        self._dense_sizes: dict[int, int] = {}  # schema digest -> wire bytes of a dense reply
 
     def instruct(
         self,
@@ -176,6 +192,8 @@ class CompressedChannel:
         messages = list(messages)
         report = self.reports[server_round] = RoundReport()
         self._sent.clear()
+        self._schema = Schema.of(self._codec, model, dtypes)
+        self._dtypes = dict(dtypes)
         nodes = [message.metadata.dst_node_id for message in messages]
         downloads = self.broadcast.prepare(server_round, model, nodes, dtypes) if self.broadcast else {}
         # One content per distinct (original content, download, counted): messages that shared one still
@@ -217,6 +235,7 @@ class CompressedChannel:
             grid=self.config.downlink.grid if self.config.downlink else "fp32",
             counted=counted,
             discarded=discarded,
+            schema=self._schema.digest if self._schema is not None else None,
         )
         out = RecordDict(dict(content.items()))
         if download is not None:
@@ -242,6 +261,7 @@ class CompressedChannel:
         """
         report = self.reports.setdefault(server_round, RoundReport())
         passed: list[ScreenedReply] = []
+        sizes: dict[int, tuple[int, int, int]] = {}  # node -> (wire bytes, payload bytes as sent, dense wire)
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
@@ -252,7 +272,12 @@ class CompressedChannel:
             version, download = self._sent.get(node, (server_round, None))
             try:
                 screened = screen_reply(
-                    node, reply.content, version=version, weighted_by_key=self.weighted_by_key, shapes=shapes
+                    node,
+                    reply.content,
+                    version=version,
+                    weighted_by_key=self.weighted_by_key,
+                    shapes=shapes,
+                    schema=self._schema,
                 )
             except Rejected as rejection:
                 self.reject(server_round, node, rejection)
@@ -260,6 +285,8 @@ class CompressedChannel:
             if self.broadcast is not None and download is not None:
                 self.broadcast.confirm(node, version, download)
             passed.append(screened)
+            sent = reply.content[UPDATE_KEY]["payload"]
+            sizes[node] = (wire_size(reply), len(sent), self._dense_reply_bytes(reply, shapes))
         screen = self.config.screen
         norms, weights = [r.norm for r in passed], [r.weight for r in passed]
         norm_outliers = ratio_outliers(norms, screen.max_norm_ratio, screen.min_replies)
@@ -275,10 +302,24 @@ class CompressedChannel:
                 self.reject(server_round, screened.node_id, Rejected(f"{what}_outlier", detail))
                 continue
             accepted.append(screened)
-            report.payload_bytes += len(screened.payload)
+            wire, payload, dense_wire = sizes[screened.node_id]
+            report.wire_bytes += wire
+            report.dense_wire_bytes += dense_wire
+            report.payload_bytes += payload
             report.dense_bytes += dense_bytes
         report.accepted = len(accepted)
         return accepted
+
+    def _dense_reply_bytes(self, reply: Message, shapes: Mapping[str, tuple[int, ...]]) -> int:
+        """Wire bytes of ``reply`` had it carried the model dense, as Flower's FedAvg clients send it (an
+        ArrayRecord named ``arrays``; measured once per model schema)."""
+        key = self._schema.digest if self._schema is not None else -1
+        if key not in self._dense_sizes:
+            content = RecordDict({k: v for k, v in reply.content.items() if k != UPDATE_KEY})
+            zeros = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+            content["arrays"] = arrays_to_record(zeros, self._dtypes)
+            self._dense_sizes[key] = wire_size(Message(metadata=reply.metadata, content=content))
+        return self._dense_sizes[key]
 
     def count(self, server_round: int, node_ids: Iterable[int]) -> None:
         """Record that the round's updates of ``node_ids`` are in the model the strategy returns.

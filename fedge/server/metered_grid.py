@@ -9,8 +9,9 @@ from typing import Any
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
-from fedge.flower.compat import Run, message_to_bytes
+from fedge.flower.compat import Run
 from fedge.flower.grid import RunGrid
+from fedge.protocol.envelope import wire_size
 
 __all__ = ["MeteredGrid", "RoundTraffic"]
 
@@ -19,8 +20,9 @@ __all__ = ["MeteredGrid", "RoundTraffic"]
 class RoundTraffic:
     """Messages and bytes of one round.
 
-    Counts are of training messages; bytes are the serialized size of every Flower message of the round
-    (train and evaluate), what a SuperLink or broker would carry.
+    Counts are of training messages; bytes are the size of every message of the round (train and evaluate)
+    as fedge's MQTT transport puts it on the wire (:func:`fedge.protocol.envelope.wire_size`), whichever
+    engine carried it, so figures mean the same everywhere.
     """
 
     sampled: int = 0
@@ -94,12 +96,12 @@ class MeteredGrid(RunGrid):
         for message in messages:
             self._traffic.sampled += message.metadata.message_type == MessageType.TRAIN
             if not self._grid_reports_bytes:
-                self._count_bytes(message, len(message_to_bytes(message)))
+                self._count_bytes(message, wire_size(message))
 
     def _count_received(self, replies: list[Message]) -> None:
         for reply in replies:
             if not self._grid_reports_bytes:
-                self._count_bytes(reply, len(message_to_bytes(reply)))
+                self._count_bytes(reply, wire_size(reply))
             if reply.metadata.message_type != MessageType.TRAIN:
                 continue
             if reply.has_error():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
-from fedge.compression import CodecError, NonFiniteValueError, decode
+from fedge.compression import CodecError, NonFiniteValueError, Schema, decode, is_bound, unbind
 from fedge.protocol.records import UPDATE_KEY
 
 __all__ = ["REJECTION_REASONS", "Rejected", "ReplyScreen", "ScreenedReply", "ratio_outliers", "screen_reply"]
@@ -99,8 +99,13 @@ def screen_reply(
     version: int,
     weighted_by_key: str,
     shapes: Mapping[str, tuple[int, ...]],
+    schema: Schema | None = None,
 ) -> ScreenedReply:
-    """Check one reply's structure, weight and payload; raise :class:`Rejected` naming what is wrong."""
+    """Check one reply's structure, weight and payload; raise :class:`Rejected` naming what is wrong.
+
+    A payload bound to ``schema`` (:func:`fedge.compression.bind`) is unbound first: the returned
+    :attr:`ScreenedReply.payload` is always a self-describing one.
+    """
     update = content.get(UPDATE_KEY)
     if not isinstance(update, ConfigRecord) or not isinstance(update.get("payload"), bytes):
         raise Rejected("no_update", f"no {UPDATE_KEY!r} record with a payload (is CompressionMod installed?)")
@@ -111,6 +116,10 @@ def screen_reply(
     payload = update["payload"]
     size = sum(math.prod(shape) for shape in shapes.values())
     try:
+        if is_bound(payload):
+            if schema is None:
+                raise Rejected("undecodable", "payload bound to a schema, but this round has none")
+            payload = unbind(payload, schema, max_elements=max(size, 1))
         decoded = decode(payload, max_elements=max(size, 1))
     except NonFiniteValueError as err:
         raise Rejected("non_finite", str(err)) from None

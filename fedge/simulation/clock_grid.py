@@ -32,8 +32,9 @@ from fedge.config import ConfigError, check_types
 from fedge.devices.clock import ClientTiming, select_replies, time_client
 from fedge.devices.fleet import ClientProfile
 from fedge.devices.traces import AvailabilityTrace
-from fedge.flower.compat import Run, message_to_bytes
+from fedge.flower.compat import Run
 from fedge.flower.grid import RunGrid
+from fedge.protocol.envelope import wire_size
 
 __all__ = ["ClockGrid", "Schedule"]
 
@@ -257,7 +258,7 @@ class ClockGrid(RunGrid):
         if self._reports_bytes:
             down, up = self._sizes.get(instruction.metadata.message_id, [0, 0])
             return down, up
-        return len(message_to_bytes(instruction)), len(message_to_bytes(reply))
+        return wire_size(instruction), wire_size(reply)
 
 
 def _row(client: int, profiles: Sequence[ClientProfile], timing: ClientTiming, status: str) -> dict[str, Any]:

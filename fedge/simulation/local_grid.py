@@ -37,6 +37,7 @@ from fedge.flower.compat import (
 )
 from fedge.flower.grid import RunGrid
 from fedge.flower.node import call_client_app, error_reply, make_context
+from fedge.protocol.envelope import wire_size
 from fedge.simulation.workers import WorkerPool
 
 __all__ = ["LocalGrid"]
@@ -182,5 +183,5 @@ class LocalGrid(RunGrid):
             return reply
         self.contexts[message.metadata.dst_node_id] = context_from_bytes(context)
         reply = message_from_bytes(reply_bytes)
-        self._report_wire(reply, reply_bytes)
+        self._report_wire(reply, wire_size(reply, len(reply_bytes)))  # what fedge's MQTT transport sends
         return reply

@@ -33,6 +33,7 @@ from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import MessageDecodeError, MessageEncoder, message_from_bytes
 from fedge.flower.compat import set_message_id as _set_message_id
 from fedge.flower.grid import RunGrid
+from fedge.protocol.envelope import EnvelopeError, decode_content, is_envelope
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
@@ -221,12 +222,36 @@ class MqttGrid(RunGrid):
         if is_refusal(payload):
             self._on_refusal(delivery, payload)
             return
+        if is_envelope(payload):
+            self._on_envelope(delivery, payload)
+            return
         try:
             reply = message_from_bytes(payload, max_bytes=self._max_message_bytes)
         except MessageDecodeError as err:
             self._reject(delivery.node_id, "?", "undecodable", str(err))
             return
         self._settle(delivery, reply.metadata.reply_to_message_id, lambda awaited: reply)
+
+    def _on_envelope(self, delivery: Delivery, payload: bytes) -> None:
+        """A reply in the compact envelope: its metadata is the awaited instruction's, answered.
+
+        As with refusals, the transport message id (``reply:<instruction id>``) names the instruction, and
+        only the node it was sent to can publish on that node's outbox.
+        """
+        instruction_id = delivery.message_id.removeprefix(REPLY_PREFIX)
+        try:
+            if instruction_id == delivery.message_id:
+                raise EnvelopeError(f"reply with message id {delivery.message_id!r}, not {REPLY_PREFIX}<id>")
+            content = decode_content(payload)
+        except EnvelopeError as err:
+            self._reject(delivery.node_id, "?", "undecodable", str(err))
+            return
+
+        def reply_for(awaited: _Awaited) -> Message:
+            instruction = Message(metadata=deepcopy(awaited.metadata), content=RecordDict())
+            return Message(content, reply_to=instruction)
+
+        self._settle(delivery, instruction_id, reply_for)
 
     def _on_refusal(self, delivery: Delivery, payload: bytes) -> None:
         """A node could not decode or verify an instruction: answer it with a Flower error on its behalf.

@@ -38,7 +38,7 @@ from fedge.app.config import AppConfig
 from fedge.app.server_app import federated_run
 from fedge.client import CompressionMod
 from fedge.client.compression_mod import EF_STATE_KEY
-from fedge.compression import decode
+from fedge.compression import Schema, build_codec, decode, unbind
 from fedge.flower.compat import Run
 from fedge.flower.grid import RunGrid
 from fedge.protocol.records import INSTRUCTION_KEY, UPDATE_KEY, record_to_arrays
@@ -131,6 +131,10 @@ class _LossyGrid(RunGrid):
             return replies
         self.attempt += 1
         server_round = int(messages[0].content[INSTRUCTION_KEY]["version"])
+        # Replies come bound to the round's schema (no names or shapes): the one the instruction announced.
+        arrays, dtypes = record_to_arrays(messages[0].content["arrays"])
+        schema = Schema.of(build_codec(messages[0].content[INSTRUCTION_KEY]["codec"]), arrays, dtypes)
+        assert schema.digest == messages[0].content[INSTRUCTION_KEY]["schema"]
         passed = []
         for position, reply in enumerate(replies):
             assert not reply.has_error(), reply.error.reason
@@ -149,7 +153,7 @@ class _LossyGrid(RunGrid):
                     self.attempt,
                     server_round,
                     reply.metadata.src_node_id,
-                    decode(update["payload"]),
+                    decode(unbind(update["payload"], schema)),
                     float(metrics["num-examples"]),
                     fate,
                 )

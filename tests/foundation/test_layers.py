@@ -21,7 +21,7 @@ BASE = {"base"}
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
     "compression": set(),
-    "protocol": BASE | {"compression"},
+    "protocol": BASE | {"compression", "flower"},
     "flower": BASE,
     "devices": BASE | {"protocol"},
     "reporting": BASE,
@@ -44,7 +44,8 @@ ALLOWED: dict[str, set[str]] = {
         "client",
     },
 }
-ALLOWED["simulation"] = ALLOWED["app"] | {"app", "localnet"}
+ALLOWED["split"] = ALLOWED["app"] | {"app", "partitioning"}
+ALLOWED["simulation"] = ALLOWED["app"] | {"app", "localnet", "split"}
 ALLOWED["bench"] = ALLOWED["simulation"] | {"simulation", "partitioning"}
 ALLOWED["cli"] = ALLOWED["bench"] | {"bench"}
 
