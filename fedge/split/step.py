@@ -1,0 +1,166 @@
+"""One split training step, both sides, pure torch: bytes in, bytes out.
+
+The client's :class:`FrontStage` and the coordinator's :class:`BackStage` exchange only payloads (fedge
+codec bytes), so the same objects serve the in-process driver and an engine that carries the payloads in
+messages. A plain step::
+
+    client: a = front(x)            --activations, labels-->   server: loss = L(back(a), y); backward
+    client: a.backward(g); step     <--gradient at the cut--   server: step
+
+The U-shaped variant keeps the labels at home: the client also holds the head (the last layers), the
+server returns its stage's output, the client computes the loss and sends the gradient at the head's input
+back, and the server returns the gradient at the first cut. With ``optimizer=None`` a stage only
+accumulates gradients (what :func:`split_gradients` compares with unsplit autograd).
+
+A client that lost its pending forward (a new process, a restart between the two messages) recomputes it
+from the batch: :meth:`FrontStage.backward` takes ``features`` for that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fedge.split.cut import CutLink, decode_labels, decode_tensor, encode_labels, sparse_gradient
+
+__all__ = ["BackStage", "FrontStage", "LossFn"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _step(optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+class FrontStage:
+    """The client's part: the front layers (and, U-shaped, the head), its optimizer and its link.
+
+    Parameters
+    ----------
+    front : nn.Module
+        Layers before the cut.
+    optimizer : torch.optim.Optimizer or None
+        Steps the front (and head); None leaves gradients accumulated in ``.grad``.
+    link : CutLink
+        This client's encoders.
+    head : nn.Module or None (default: None)
+        The last layers, for the U-shaped variant (labels never leave the client).
+    loss_fn : callable (default: cross-entropy)
+        Loss of the head's output (U-shaped only).
+    """
+
+    def __init__(
+        self,
+        front: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        link: CutLink,
+        *,
+        head: nn.Module | None = None,
+        loss_fn: LossFn = nn.functional.cross_entropy,
+    ) -> None:
+        self.front, self.head, self.optimizer, self.link, self.loss_fn = front, head, optimizer, link, loss_fn
+        self._activation: torch.Tensor | None = None
+
+    def forward(self, features: torch.Tensor, *, seed: int = 0) -> bytes:
+        """Run the front on a batch; return the activation payload (the labels travel with
+        :meth:`label_payload`). The graph is kept for :meth:`backward`."""
+        self.front.train()
+        self._activation = self.front(features)
+        return self.link.activation_up.encode(self._activation, seed=seed)
+
+    def label_payload(self, labels: torch.Tensor) -> bytes:
+        """The labels' payload (not used U-shaped), counted on the link."""
+        payload = encode_labels(labels)
+        self.link.label_bytes += len(payload)
+        return payload
+
+    def head_step(self, payload: bytes, labels: torch.Tensor, *, seed: int = 0) -> tuple[bytes, float]:
+        """U-shaped: the server stage's output in, loss at home, the gradient at the head's input out."""
+        if self.head is None:
+            raise RuntimeError("head_step needs a head (U-shaped variant)")
+        self.head.train()
+        middle = decode_tensor(payload).requires_grad_(True)
+        loss = self.loss_fn(self.head(middle), labels)
+        loss.backward()
+        return self.link.gradient_up.encode(middle.grad, seed=seed), float(loss.detach())
+
+    def backward(self, payload: bytes, *, features: torch.Tensor | None = None) -> None:
+        """Apply the gradient at the cut, then step (front and head).
+
+        Parameters
+        ----------
+        payload : bytes
+            The gradient payload from the coordinator.
+        features : torch.Tensor or None (default: None)
+            The batch, to recompute the forward when it is no longer held (e.g. after a restart).
+        """
+        if self._activation is None:
+            if features is None:
+                raise RuntimeError("no pending forward: pass the batch's features to recompute it")
+            self._activation = self.front(features)
+        activation, self._activation = self._activation, None
+        activation.backward(decode_tensor(payload).reshape(activation.shape))
+        _step(self.optimizer)
+
+    def discard(self) -> None:
+        """Forget a pending forward (the coordinator never answered: the batch is lost, nothing else)."""
+        self._activation = None
+
+
+class BackStage:
+    """The coordinator's part for one client (SplitFed V1) or shared by all (V2).
+
+    Parameters
+    ----------
+    back : nn.Module
+        Layers after the cut (U-shaped: the middle layers, up to the client's head).
+    optimizer : torch.optim.Optimizer or None
+        Steps the back; None leaves gradients accumulated.
+    mask_gradient : bool (default: False)
+        Zero the cut gradient where the activation is zero (set it when the front ends in a ReLU).
+    loss_fn : callable (default: cross-entropy)
+        Loss of the back's output against the labels.
+    """
+
+    def __init__(
+        self,
+        back: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        mask_gradient: bool = False,
+        loss_fn: LossFn = nn.functional.cross_entropy,
+    ) -> None:
+        self.back, self.optimizer, self.mask_gradient, self.loss_fn = back, optimizer, mask_gradient, loss_fn
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _cut_gradient(self, activation: torch.Tensor) -> torch.Tensor:
+        grad = activation.grad
+        return sparse_gradient(grad, activation.detach()) if self.mask_gradient else grad
+
+    def step(self, payload: bytes, labels: bytes, link: CutLink, *, seed: int = 0) -> tuple[bytes, float]:
+        """Activations and labels in; forward, loss, backward, step; the gradient payload at the cut out."""
+        self.back.train()
+        activation = decode_tensor(payload).requires_grad_(True)
+        loss = self.loss_fn(self.back(activation), decode_labels(labels))
+        loss.backward()
+        _step(self.optimizer)
+        return link.gradient_down.encode(self._cut_gradient(activation), seed=seed), float(loss.detach())
+
+    def forward(self, payload: bytes, link: CutLink, *, client: int = 0, seed: int = 0) -> bytes:
+        """U-shaped, first half: activations in, this stage's output payload out (graph kept per client)."""
+        self.back.train()
+        activation = decode_tensor(payload).requires_grad_(True)
+        output = self.back(activation)
+        self._pending[client] = (activation, output)
+        return link.activation_down.encode(output, seed=seed)
+
+    def backward(self, payload: bytes, link: CutLink, *, client: int = 0, seed: int = 0) -> bytes:
+        """U-shaped, second half: the gradient at this stage's output in; step; the cut gradient out."""
+        activation, output = self._pending.pop(client)
+        output.backward(decode_tensor(payload).reshape(output.shape))
+        _step(self.optimizer)
+        return link.gradient_down.encode(self._cut_gradient(activation), seed=seed)
