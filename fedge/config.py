@@ -50,8 +50,9 @@ def from_table(cls: type[T], table: Mapping[str, Any], *, where: str = "") -> T:
     cls : dataclass type
         The configuration object to build; nested dataclass fields are read from sub-tables.
     table : mapping
-        Keys are field names; values are checked against the field's annotation (an int is accepted for
-        a float, a table for a nested dataclass, a list of strings for a tuple of strings).
+        Keys are field names, spelled with underscores or hyphens (``server_lr`` or ``server-lr``, as
+        Flower's run config spells them); values are checked against the field's annotation (an int is
+        accepted for a float, a table for a nested dataclass, a list of strings for a tuple of strings).
     where : str (default: "")
         The dotted name of ``table`` itself, prefixed to every key an error names.
 
@@ -66,10 +67,14 @@ def from_table(cls: type[T], table: Mapping[str, Any], *, where: str = "") -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
-    for key, value in table.items():
+    for spelled, value in table.items():
+        key = spelled.replace("-", "_") if isinstance(spelled, str) else spelled
         if key not in fields:
-            raise ConfigError(f"unknown key {_dotted(where, key)!r}; known keys: {', '.join(sorted(fields))}")
-        values[key] = _coerce(hints[key], value, _dotted(where, key))
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key {_dotted(where, spelled)!r}; known keys: {known}")
+        if key in values:
+            raise ConfigError(f"key {_dotted(where, key)!r} is given twice (with '_' and with '-')")
+        values[key] = _coerce(hints[key], value, _dotted(where, spelled))
     missing = [
         name
         for name, f in fields.items()

@@ -24,6 +24,9 @@ is added back into the residual (:meth:`fedge.compression.ErrorFeedback.restore`
 node that is not sampled keeps its pending payload for as long as it is not instructed. The payload is
 the compressed bytes (a few kB), not a dense copy of the update.
 
+An evaluate message with an instruction carries the model as a compressed download too: the mod rebuilds
+it the same way (the reference advances to its version) and passes the app a plain message.
+
 Mods inside it (clipping, local DP) see and change dense weights as they expect; the mod encodes what
 they return. Messages without an instruction pass through untouched, so the mod is harmless with a plain
 Flower strategy.
@@ -107,7 +110,11 @@ class CompressionMod:
         self.max_elements = max_elements
 
     def __call__(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-        if msg.metadata.message_type != MessageType.TRAIN or INSTRUCTION_KEY not in msg.content:
+        if INSTRUCTION_KEY not in msg.content:
+            return call_next(msg, context)
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            return self._evaluate(msg, context, call_next)
+        if msg.metadata.message_type != MessageType.TRAIN:
             return call_next(msg, context)
         try:
             instruction = Instruction.from_record(msg.content[INSTRUCTION_KEY])
@@ -141,6 +148,20 @@ class CompressionMod:
             _tally(context, "delivered")
         reply.content = content
         return reply
+
+    def _evaluate(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        """An evaluate message with a compressed model: rebuild it (advancing the reference as a train
+        message would), hand the app a plain message. Nothing is settled or encoded: the app replies."""
+        try:
+            instruction = Instruction.from_record(msg.content[INSTRUCTION_KEY])
+            received, dtypes = self._received_model(msg, context, instruction)
+        except (ProtocolError, CodecError) as err:
+            log.warning("node %s: cannot use the evaluate instruction: %s", context.node_id, err)
+            return _error_reply(msg, f"fedge compression: {err}")
+        inner = RecordDict({k: v for k, v in msg.content.items() if k != INSTRUCTION_KEY})
+        inner[instruction.arrays_key] = arrays_to_record(received, dtypes)
+        msg.content = inner
+        return call_next(msg, context)
 
     def _received_model(
         self, msg: Message, context: Context, instruction: Instruction

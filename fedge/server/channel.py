@@ -177,6 +177,7 @@ class CompressedChannel:
         )
         self._dtypes: dict[str, str] = {}
         self._dense_sizes: dict[int, int] = {}  # schema digest -> wire bytes of a dense reply
+        self._evaluated: dict[int, tuple[int, Download]] = {}  # node -> (version, download) evaluated
 
     def instruct(
         self,
@@ -215,13 +216,56 @@ class CompressedChannel:
                 report.download_payload_bytes += len(download.payload)
         return messages
 
+    def instruct_evaluate(
+        self,
+        server_round: int,
+        messages: Iterable[Message],
+        model: Mapping[str, np.ndarray],
+        dtypes: Mapping[str, str],
+    ) -> list[Message]:
+        """Evaluate messages get the same compressed broadcast as train messages (without compressed
+        downloads configured they keep their dense ArrayRecord).
+
+        The model evaluated after round ``r`` is the one round ``r + 1`` trains from, so it goes out as that
+        version: a node that evaluated it then needs only an empty delta to train. Clients evaluate the
+        reference model they hold, which differs from the coordinator's by what the delta codec has not
+        sent yet (nothing, with an exact full-model download).
+        """
+        messages = list(messages)
+        if self.broadcast is None or not messages:
+            return messages
+        version = server_round + 1
+        report = self.reports.setdefault(server_round, RoundReport())
+        nodes = [message.metadata.dst_node_id for message in messages]
+        downloads = self.broadcast.prepare(version, model, nodes, dtypes)
+        self._evaluated = {node: (version, downloads[node]) for node in nodes}
+        contents: dict[tuple[int, int], RecordDict] = {}
+        for message, node in zip(messages, nodes, strict=True):
+            download = downloads[node]
+            key = (id(message.content), id(download))
+            if key not in contents:
+                contents[key] = self._content(message.content, version, download, dtypes, counted=None)
+            message.content = contents[key]
+            report.downloads_delta += download.is_delta
+            report.downloads_full += not download.is_delta
+            report.download_payload_bytes += len(download.payload)
+        return messages
+
+    def receive_evaluate(self, replies: Iterable[Message]) -> None:
+        """Note which nodes now hold the evaluated version (those that answered without an error)."""
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if self.broadcast is not None and not reply.has_error() and node in self._evaluated:
+                version, download = self._evaluated[node]
+                self.broadcast.confirm(node, version, download)
+
     def _content(
         self,
         content: RecordDict,
         version: int,
         download: Download | None,
         dtypes: Mapping[str, str],
-        counted: int,
+        counted: int | None,
         discarded: int | None = None,
     ) -> RecordDict:
         array_keys = [key for key, value in content.items() if isinstance(value, ArrayRecord)]

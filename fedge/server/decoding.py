@@ -121,11 +121,17 @@ class DecodingStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Delegated: evaluation messages carry the dense model."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        """The wrapped strategy's evaluate messages, the model as compressed downloads (if configured)."""
+        messages = self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        if self.channel.broadcast is None:
+            return messages
+        model, dtypes = record_to_arrays(arrays)
+        return self.channel.instruct_evaluate(server_round, messages, model, dtypes)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Delegated."""
+        """Delegated; the replies also tell which nodes now hold the evaluated model."""
+        replies = list(replies)
+        self.channel.receive_evaluate(replies)
         return self.strategy.aggregate_evaluate(server_round, replies)
 
     def round_metrics(self, server_round: int) -> dict[str, float]:

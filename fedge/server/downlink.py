@@ -6,6 +6,11 @@ payload decodes to (:func:`fedge.protocol.reference.advance_reference`); clients
 same payload and get the same ``M``. What the codec left out stays in ``x − M`` and travels in a later
 round: that difference *is* the server-side error-feedback residual, so it needs no memory of its own.
 
+A version may be prepared twice: evaluate messages of round ``r`` carry the model train messages of round
+``r + 1`` start from, so both use version ``r + 1``. The second time nothing advances: a node that already
+holds the version gets an empty delta (one byte per tensor), one that holds the version before gets the
+same delta again, the others the full model.
+
 A client that missed a round, joins late or lost its state gets the full ``M`` instead (fp16, fp32 or
 blockwise int8). ``M`` is kept on the fp16 grid when full models go as fp16, so that download is exact
 and the client rejoins the delta stream; an int8 full model is approximate, marked so, and the client
@@ -93,6 +98,10 @@ class ModelBroadcast:
         spec, _, self._exact = FULL_MODEL_CODECS[config.full_model]
         self._full_codec: Codec = build_codec(spec)
         self._holders: dict[int, int] = {}
+        self._delta: Download | None = None  # the delta that made this version, from the one before
+        self._empty: Download | None = None  # an all-zero delta from this version to itself
+        self._full: Download | None = None  # the full model of this version
+        self._previous_holders: dict[int, int] = {}  # who held the version before this one
 
     def prepare(
         self,
@@ -104,10 +113,13 @@ class ModelBroadcast:
         """Advance the reference to ``version`` towards ``model`` and return each node's download.
 
         Nodes known to hold the previous version get the delta; the others the full reference.
-        ``dtypes`` (the tensors' own dtypes) makes integer buffers travel exactly in both.
+        ``dtypes`` (the tensors' own dtypes) makes integer buffers travel exactly in both. Preparing the
+        current version again (same ``model``) advances nothing: see the module docstring.
         """
         dtypes = {name: dtype for name, dtype in (dtypes or {}).items() if dtype in DTYPES}
         node_ids = list(node_ids)
+        if version == self.version and self.reference is not None:
+            return self._again(node_ids, dtypes)
         previous = self.version
         up_to_date = {n for n in node_ids if previous is not None and self._holders.get(n) == previous}
         delta = None
@@ -124,16 +136,37 @@ class ModelBroadcast:
             }
             snap_to_grid(self.reference, self.config.grid)
         self.version = version
+        self._previous_holders = {n: v for n, v in self._holders.items() if v == previous}
         self._holders.clear()  # from now on only replies to this round's messages tell who holds what
+        self._delta, self._empty, self._full = delta, None, None
         full = None
         if len(up_to_date) < len(node_ids):
-            full = Download(
-                FULL if self._exact else APPROXIMATE, self._full_codec.encode(self.reference, dtypes=dtypes)
-            )
+            full = self._full_download(dtypes)
         return {node: delta if node in up_to_date else full for node in node_ids}
 
+    def _again(self, node_ids: list[int], dtypes: Mapping[str, str]) -> dict[int, Download]:
+        """Downloads of the current version for nodes that may already hold it, or the one before."""
+        downloads = {}
+        for node in node_ids:
+            if self._holders.get(node) == self.version:
+                if self._empty is None:
+                    zeros = {name: np.zeros_like(array) for name, array in self.reference.items()}
+                    self._empty = Download(self.version, self._delta_codec.encode(zeros, dtypes=dtypes))
+                downloads[node] = self._empty
+            elif self._delta is not None and self._previous_holders.get(node) == self._delta.base:
+                downloads[node] = self._delta
+            else:
+                downloads[node] = self._full_download(dtypes)
+        return downloads
+
+    def _full_download(self, dtypes: Mapping[str, str]) -> Download:
+        if self._full is None:
+            payload = self._full_codec.encode(self.reference, dtypes=dtypes)
+            self._full = Download(FULL if self._exact else APPROXIMATE, payload)
+        return self._full
+
     def confirm(self, node_id: int, version: int, download: Download) -> None:
-        """Record that ``node_id`` trained from ``version`` after receiving ``download``."""
+        """Record that ``node_id`` trained from (or evaluated) ``version`` after receiving ``download``."""
         if version == self.version and download.base != APPROXIMATE:
             self._holders[node_id] = version
 

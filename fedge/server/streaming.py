@@ -52,7 +52,8 @@ class StreamingFedAvg(FedAvg):
     fraction_train : float (default: 1.0)
         Fraction of nodes sampled for training each round.
     fraction_evaluate : float (default: 1.0)
-        Fraction of nodes sampled for federated evaluation (which receives dense models).
+        Fraction of nodes sampled for federated evaluation (whose messages carry the model as compressed
+        downloads when ``compression.downlink`` is set, like train messages).
     min_train_nodes : int (default: 2)
         Minimum number of nodes sampled for training.
     min_evaluate_nodes : int (default: 2)
@@ -154,6 +155,21 @@ class StreamingFedAvg(FedAvg):
         self.channel.count(server_round, [reply.node_id for reply in aggregated])
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
         return arrays_to_record(self._model, self._dtypes), metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """FedAvg's evaluate messages, the model in them sent as compressed downloads are (if configured)."""
+        messages = super().configure_evaluate(server_round, arrays, config, grid)
+        if self._model is None:
+            return messages
+        return self.channel.instruct_evaluate(server_round, messages, self._model, self._dtypes)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """FedAvg's weighted average; the replies also tell which nodes now hold the evaluated model."""
+        replies = list(replies)
+        self.channel.receive_evaluate(replies)
+        return super().aggregate_evaluate(server_round, replies)
 
     def _train_metrics(self, server_round: int, contents: list[RecordDict]) -> MetricRecord:
         """The clients' metrics as FedAvg aggregates them, plus the round's compression figures."""

@@ -79,7 +79,11 @@ class SimulationConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SimulationConfig:
         """Build from flat keys (``clients``, ``rounds``, ``alpha``, ..., a ``[task]`` table); unknown keys
-        and wrong types are errors naming the key."""
+        and wrong types are errors naming the key. Keys may be spelled with ``_`` or ``-``."""
+        spelled = dict(values)
+        values = {key.replace("-", "_"): value for key, value in spelled.items()}
+        if len(values) < len(spelled):
+            raise ConfigError("a key is given twice (with '_' and with '-')")
         own = {f.name for f in dataclasses.fields(cls)} - {"app"}
         app_keys = {f.name for f in dataclasses.fields(AppConfig)}
         unknown = sorted(set(values) - own - app_keys)

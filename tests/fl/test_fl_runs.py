@@ -281,3 +281,30 @@ def test_an_approximate_int8_full_model_is_never_the_base_of_a_delta():
     assert all(r.clients_replied == 3 and r.extra["rejected"] == 0 for r in history.rounds)
     # int8 is smaller than the fp16 full model
     assert history.rounds[0].extra["download_payload_bytes"] < 3 * 2 * 71_754 * 0.6
+
+
+def test_evaluate_messages_carry_the_compressed_broadcast_and_train_then_needs_no_model():
+    grid = LocalGrid(reference_app([CompressionMod()]), 4)
+    strategy = StreamingFedAvg(
+        CompressionConfig("topk:0.05+int8", downlink=DownlinkConfig("topk:0.1+int8", full_model="fp16")),
+        fraction_evaluate=1.0,
+        min_evaluate_nodes=4,
+        min_available_nodes=4,
+    )
+    dense_model_bytes = 4 * 71754  # the digits CNN in float32
+
+    def check(metrics) -> None:
+        models = _client_models(grid)
+        server = strategy.channel.broadcast
+        # Every node evaluated the model round r + 1 trains from, rebuilt bit for bit.
+        assert {version for version, _ in models.values()} == {metrics.round + 1}
+        for _, arrays in models.values():
+            for name, values in arrays.items():
+                assert np.array_equal(values, server.reference[name])
+        if metrics.round > 1:  # train got empty deltas, evaluate a top-k delta: far below 8 dense models
+            assert metrics.extra["downloads_full"] == 0
+            assert metrics.bytes_down < 0.15 * 8 * dense_model_bytes
+
+    history = run(grid, strategy, rounds=3, listener=check)
+    assert history.rounds[-1].accuracy > history.initial_accuracy + 0.2
+    assert all(r.clients_replied == 4 for r in history.rounds)
