@@ -33,36 +33,22 @@ from fedge.devices.fleet import CATALOGUE, ClientProfile
 from fedge.split.config import RoundRecord, SplitFedConfig, SplitHistory
 from fedge.split.cut import CutLink
 from fedge.split.memory import ClientPlan
-from fedge.split.model import as_chain, ends_in_relu, segment, stage_key_maps
+from fedge.split.model import as_chain, ends_in_relu, segment
+from fedge.split.rounds import (
+    Delta,
+    TensorData,
+    average_deltas,
+    batch_order,
+    evaluate,
+    stage_delta,
+    stage_keys,
+)
 from fedge.split.step import BackStage, FrontStage
 from fedge.split.timing import StageFlops, StepCost, send_s, simulate_split_round, stage_flops
 
 __all__ = ["SplitFedRun", "evaluate"]
 
 log = logging.getLogger(__name__)
-
-TensorData = tuple[torch.Tensor, torch.Tensor]
-Delta = dict[str, torch.Tensor]
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: TensorData) -> tuple[float, float]:
-    """Cross-entropy loss and accuracy of ``model`` on ``data``."""
-    features, labels = data
-    model.eval()
-    logits = model(features)
-    loss = float(nn.functional.cross_entropy(logits, labels))
-    return loss, float((logits.argmax(dim=1) == labels).float().mean())
-
-
-def _batches(size: int, config: SplitFedConfig, round_: int, client: int) -> list[torch.Tensor]:
-    """Client ``client``'s batch indices in round ``round_``: the same for full and split training."""
-    generator = torch.Generator().manual_seed((config.seed * 1_000_003 + round_) * 10_007 + client)
-    out = []
-    for _ in range(config.local_epochs):
-        order = torch.randperm(size, generator=generator)
-        out.extend(order[s : s + config.batch_size] for s in range(0, size, config.batch_size))
-    return out
 
 
 class SplitFedRun:
@@ -210,7 +196,7 @@ class SplitFedRun:
         optimizer = self._optimizer(list(local.parameters()))
         features, labels = self.data[client]
         total = 0.0
-        batches = _batches(len(labels), self.config, round_, client)
+        batches = batch_order(len(labels), self.config, round_, client)
         for batch in batches:
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(local(features[batch]), labels[batch])
@@ -232,16 +218,7 @@ class SplitFedRun:
 
     def _apply(self, start: dict[str, torch.Tensor], contributions: list[tuple[Delta, float]]) -> None:
         """Global model = start + per-key example-weighted mean of the deltas that name the key."""
-        sums: dict[str, torch.Tensor] = {}
-        weights: dict[str, float] = {}
-        for delta, weight in contributions:
-            for key, value in delta.items():
-                sums[key] = sums.get(key, torch.zeros_like(start[key])) + weight * value.reshape(
-                    start[key].shape
-                )
-                weights[key] = weights.get(key, 0.0) + weight
-        new = {k: (v + sums[k] / weights[k]) if k in sums else v for k, v in start.items()}
-        self.model.load_state_dict(new)
+        self.model.load_state_dict(average_deltas(start, contributions))
 
     # ---------------------------------------------------------------------------------------- split
     def _train_split(self, round_: int, ids: list[int], start: dict[str, torch.Tensor]) -> dict:
@@ -268,16 +245,8 @@ class SplitFedRun:
             else:
                 middle = segment(chain, cut, self.end)
                 backs[i] = BackStage(middle, self._optimizer(list(middle.parameters())), mask_gradient=mask)
-            front_keys, back_keys = stage_key_maps(self.model, cut)
-            middle_keys = {k: v for k, v in back_keys.items() if int(k.split(".")[0]) < self.end - cut}
-            offset = self.end - cut  # head stage keys are numbered from the head's first layer
-            head_keys = {
-                f"{int(k.split('.')[0]) - offset}.{k.split('.', 1)[1]}": v
-                for k, v in back_keys.items()
-                if k not in middle_keys
-            }
-            keys[i] = (front_keys, middle_keys, head_keys)
-        orders = {i: _batches(len(self.data[i][1]), cfg, round_, i) for i in ids}
+            keys[i] = stage_keys(self.model, cut, self.end)
+        orders = {i: batch_order(len(self.data[i][1]), cfg, round_, i) for i in ids}
         chains: dict[int, list[StepCost]] = {i: [] for i in ids}
         losses = {i: [0.0, 0] for i in ids}
         if cfg.parallel:
@@ -383,9 +352,4 @@ class SplitFedRun:
 
 def _stage_delta(stage: nn.Module, keys: dict[str, str], start: dict[str, torch.Tensor]) -> Delta:
     """The stage's trained values minus the round's start, by model key (floating tensors only)."""
-    state = stage.state_dict()
-    return {
-        model_key: state[stage_key].detach() - start[model_key]
-        for stage_key, model_key in keys.items()
-        if start[model_key].is_floating_point()
-    }
+    return stage_delta(stage.state_dict(), keys, start)

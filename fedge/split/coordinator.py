@@ -1,0 +1,377 @@
+"""The split coordinator: a mixed fleet's rounds over any Flower Grid, by messages only.
+
+Each round: nodes not met yet say who they are (``query.split_hello``: partition, examples, memory) and
+:func:`fedge.split.memory.plan_fleet` decides who trains full and who trains which front. Full-model
+clients get the global model (``train``) and train on their own. Split clients exchange with the
+coordinator in *waves*: every online split client gets one ``train.split_step`` request carrying the
+gradient for its previous batch and asking for the activations of its next one; the coordinator runs its
+server-side stage on each reply (:class:`fedge.split.step.BackStage`; one per client in SplitFed V1, one
+shared in V2) and keeps the gradient for the client's next request. The last request of a client's round
+carries its last gradient and collects its front. Then, as in :class:`fedge.split.driver.SplitFedRun`,
+every trained copy of each parameter is averaged into the global model (:mod:`fedge.split.rounds`), which
+is evaluated and checkpointed (:mod:`fedge.split.server_state`).
+
+Drops. A request nobody answered in ``step_timeout_s`` (the client died, its reply was lost) is asked again
+once the node is online, with the same gradient: the client applies it only if its front is still at the
+version that computed the activations, so nothing is applied twice and the client goes on from where its
+Context (on an agent: on disk) says it is. A dropped client costs at most the batch in flight, and only if
+it stays away for ``max_attempts`` exchanges; a client offline for the rest of the round (past
+``round_timeout_s``) contributes what the coordinator's side learned from it, not its front.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedge.app.task import prepare_task
+from fedge.devices.fleet import CATALOGUE, ClientProfile
+from fedge.flower.compat import set_task_identity
+from fedge.split.cut import CutLink
+from fedge.split.engine_config import EngineRound, SplitAppConfig
+from fedge.split.memory import ClientPlan, plan_fleet
+from fedge.split.messages import FULL_TRAIN, HELLO, SPLIT_STEP, Hello, RunSettings
+from fedge.split.model import as_chain, ends_in_relu, segment
+from fedge.split.rounds import Delta, average_deltas, evaluate, stage_delta, stage_keys
+from fedge.split.server_state import (
+    SplitCheckpoint,
+    flatten,
+    link_arrays,
+    load_split_checkpoint,
+    momentum_buffers,
+    nest,
+    restore_links,
+    save_split_checkpoint,
+)
+from fedge.split.session import SplitSession
+from fedge.split.step import BackStage
+
+__all__ = ["SplitCoordinator"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Node:
+    partition: int
+    examples: int
+    plan: ClientPlan
+
+
+class SplitCoordinator:
+    """Runs a split federated run on ``grid``.
+
+    Parameters
+    ----------
+    grid : Grid
+        Any Flower Grid whose nodes run :data:`fedge.split.client_app.client_app`.
+    config : SplitAppConfig
+        The run.
+    on_wave : callable(round, wave), optional
+        Called after every wave's replies are handled, before the next requests go out (tests use it to
+        kill a client between its activations and its gradient).
+    on_round : callable(EngineRound), optional
+        Called after each round is checkpointed.
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        config: SplitAppConfig,
+        *,
+        on_wave: Callable[[int, int], None] | None = None,
+        on_round: Callable[[EngineRound], None] | None = None,
+    ) -> None:
+        self.grid, self.config, self.on_wave, self.on_round = grid, config, on_wave, on_round
+        self.settings = RunSettings(config.task, config.task_args, config.alpha, config.split)
+        self.task = prepare_task(
+            config.task,
+            config.task_args,
+            config.num_partitions or config.min_nodes,
+            alpha=config.alpha,
+            seed=config.split.seed,
+        )
+        self.test = self.task.test_set()
+        torch.manual_seed(config.model_seed)
+        self.model = self.task.task.model()
+        self.end = len(as_chain(self.model))
+        self.session = uuid.uuid4().hex[:12]  # a fresh one per coordinator: clients restart its rounds
+        self.nodes: dict[int, _Node] = {}
+        self.links: dict[int, CutLink] = {}  # per partition, across rounds (gradient error feedback)
+        self.history: list[EngineRound] = []
+        self.completed_round = 0
+        self.server_state: dict[str, dict[str, torch.Tensor]] = {}  # last round's server-side stages
+        self.server_optim: dict[str, dict[str, torch.Tensor]] = {}  # and their optimizers' momentum
+        self._plans: dict[int, ClientPlan] = {}
+        self._wake = threading.Event()
+        if config.resume:
+            self._restore()
+
+    # ------------------------------------------------------------------------------------------ run
+    def run(self) -> list[EngineRound]:
+        """Wait for ``min_nodes``, run the remaining rounds; return the history."""
+        set_task_identity(run_id=self.config.run_id)
+        self._wait_for_nodes()
+        for server_round in range(self.completed_round + 1, self.config.split.rounds + 1):
+            record = self.round(server_round)
+            self.history.append(record)
+            self.completed_round = server_round
+            if self.config.state_dir:
+                save_split_checkpoint(self.config.state_dir, self.checkpoint())
+            if self.on_round is not None:
+                self.on_round(record)
+        return self.history
+
+    def round(self, server_round: int) -> EngineRound:
+        """One round: hello to new nodes, full training and split waves, averaging, evaluation."""
+        began = time.monotonic()
+        deadline = began + self.config.round_timeout_s
+        self._hello()
+        start = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        online = set(self.grid.get_node_ids())
+        full = [n for n, node in self.nodes.items() if node.plan.mode == "full" and n in online]
+        config = self.settings.record(server_round)
+        arrays = ArrayRecord(self.model.state_dict())
+        full_messages = [
+            self._message(RecordDict({"arrays": arrays, "config": config}), n, FULL_TRAIN, server_round)
+            for n in full
+        ]
+        full_ids = list(self.grid.push_messages(full_messages))
+        sessions, server_model = self._sessions(server_round)
+        retries = self._waves(server_round, sessions, start, deadline)
+        full_replies = self._collect(full_ids, deadline)
+        contributions: list[tuple[Delta, float]] = []
+        losses: list[tuple[float, float]] = []
+        trained: list[int] = []
+        update_bytes = 0
+        for reply in full_replies:
+            if reply.has_error():
+                log.warning("full client %s failed: %s", reply.metadata.src_node_id, reply.error.reason)
+                continue
+            state = reply.content["arrays"].to_torch_state_dict()
+            metrics = reply.content["metrics"]
+            weight = float(metrics["num-examples"])
+            contributions.append(
+                ({k: state[k] - start[k] for k in start if start[k].is_floating_point()}, weight)
+            )
+            losses.append((float(metrics["train_loss"]), weight))
+            trained.append(self.nodes[reply.metadata.src_node_id].partition)
+            update_bytes += 4 * sum(v.numel() for v in state.values())
+        for s in sessions:
+            if s.front is not None:
+                contributions.append((stage_delta(s.front, s.keys[0], start), float(s.examples)))
+                trained.append(s.partition)
+                update_bytes += 4 * sum(v.numel() for v in s.front.values())
+            if s.server_steps:
+                contributions.append(
+                    (stage_delta(s.back.back.state_dict(), s.keys[1], start), float(s.examples))
+                )
+                losses.append((s.loss[0] / max(1.0, s.loss[1]), s.loss[1]))
+        self.model.load_state_dict(average_deltas(start, contributions))
+        self.server_state, self.server_optim = self._server_stages(sessions, server_model)
+        loss, accuracy = evaluate(self.model, self.test)
+        links = [s.link for s in sessions]
+        weight = sum(n for _, n in losses) or 1.0
+        record = EngineRound(
+            round=server_round,
+            accuracy=accuracy,
+            loss=loss,
+            train_loss=sum(v * n for v, n in losses) / weight,
+            full_clients=len(full),
+            split_clients=len(sessions),
+            split_steps=sum(s.server_steps for s in sessions),
+            lost_batches=sum(s.lost for s in sessions),
+            retries=retries,
+            cut_bytes=sum(link.tensor_bytes for link in links),
+            cut_dense_bytes=sum(link.dense_bytes for link in links),
+            label_bytes=sum(link.label_bytes for link in links),
+            update_bytes=update_bytes,
+            model_bytes_down=4 * sum(v.numel() for v in start.values()) * len(full)
+            + sum(4 * sum(start[k].numel() for k in s.keys[0].values()) for s in sessions),
+            wall_s=time.monotonic() - began,
+            trained=sorted(trained),
+            steps_by_partition={str(s.partition): s.server_steps for s in sessions},
+        )
+        for link in links:  # the byte counters are per round; the codec state carries over
+            for codec in link.codecs():
+                codec.sent_bytes = codec.dense_bytes = 0
+            link.label_bytes = 0
+        log.info(
+            "split round %d: accuracy %.4f, %d split steps, %d lost",
+            server_round,
+            accuracy,
+            record.split_steps,
+            record.lost_batches,
+        )
+        return record
+
+    # ----------------------------------------------------------------------------------- split waves
+    def _sessions(self, server_round: int) -> tuple[list[SplitSession], torch.nn.Module | None]:
+        """The round's split sessions, each with its server-side stage (V2: segments of one shared copy)."""
+        cfg = self.config.split
+        shared = copy.deepcopy(self.model) if cfg.variant == "v2" else None
+        shared_optimizer = self._optimizer(list(shared.parameters())) if shared is not None else None
+        sessions = []
+        for node_id, node in sorted(self.nodes.items(), key=lambda item: item[1].partition):
+            if node.plan.mode != "split" or node.plan.cut is None:
+                continue
+            cut = node.plan.cut
+            chain = as_chain(copy.deepcopy(self.model))
+            mask = cfg.cut.mask_gradient and ends_in_relu(segment(chain, 0, cut))
+            if shared is not None:
+                back = BackStage(segment(as_chain(shared), cut), shared_optimizer, mask_gradient=mask)
+                owner = "shared"
+            else:
+                middle = segment(chain, cut)
+                back = BackStage(middle, self._optimizer(list(middle.parameters())), mask_gradient=mask)
+                owner = f"p{node.partition}"
+            steps = cfg.local_epochs * -(-node.examples // cfg.batch_size)
+            self.links.setdefault(node.partition, CutLink(cfg.cut))
+            keys = stage_keys(self.model, cut, self.end)
+            link = self.links[node.partition]
+            sessions.append(
+                SplitSession(node_id, node.partition, cut, steps, node.examples, back, link, keys, owner)
+            )
+        return sessions, shared
+
+    def _waves(
+        self, server_round: int, sessions: list[SplitSession], start: dict[str, torch.Tensor], deadline: float
+    ) -> int:
+        """Exchange with the split clients until every one has handed in its front (or the deadline)."""
+        front_of = {s.partition: {k: start[v] for k, v in s.keys[0].items()} for s in sessions}
+        wave = retries = 0
+        while active := [s for s in sessions if not s.done]:
+            if time.monotonic() > deadline:
+                log.warning("round %d: %d split clients did not finish in time", server_round, len(active))
+                break
+            online = set(self.grid.get_node_ids())
+            ready = [s for s in active if s.node in online]
+            if not ready:
+                self._wake.wait(0.1)  # everyone left is offline: wait for one to come back
+                continue
+            retries += sum(s.attempts > 0 for s in ready)
+            requests = [s.request(server_round, self.session, front_of[s.partition]) for s in ready]
+            messages = [
+                self._message(r.content(self.settings), s.node, SPLIT_STEP, server_round)
+                for r, s in zip(requests, ready, strict=True)
+            ]
+            replies = {
+                m.metadata.src_node_id: m
+                for m in self.grid.send_and_receive(messages, timeout=self.config.step_timeout_s)
+            }
+            for s in ready:
+                s.settle(replies.get(s.node), server_round, self.session, self.config.max_attempts)
+            wave += 1
+            if self.on_wave is not None:
+                self.on_wave(server_round, wave)
+        return retries
+
+    # -------------------------------------------------------------------------------------- helpers
+    def _message(self, content: RecordDict, node: int, message_type: str, server_round: int) -> Message:
+        ttl = self.config.round_timeout_s if message_type == FULL_TRAIN else self.config.step_timeout_s
+        return Message(content, node, message_type, ttl=ttl, group_id=str(server_round))
+
+    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        cfg = self.config.split
+        return torch.optim.SGD(params, lr=cfg.learning_rate, momentum=cfg.momentum)
+
+    def _wait_for_nodes(self) -> None:
+        deadline = time.monotonic() + self.config.wait_for_nodes_s
+        while len(list(self.grid.get_node_ids())) < self.config.min_nodes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {self.config.min_nodes} nodes came online")
+            self._wake.wait(0.1)
+
+    def _hello(self) -> None:
+        """Ask nodes not met yet who they are, and plan their part from their memory."""
+        new = [n for n in self.grid.get_node_ids() if n not in self.nodes]
+        if not new:
+            return
+        config = self.settings.record(0)
+        messages = [self._message(RecordDict({"config": config}), n, HELLO, 0) for n in new]
+        for reply in self.grid.send_and_receive(messages, timeout=self.config.step_timeout_s):
+            if reply.has_error():
+                log.warning("node %s did not say hello: %s", reply.metadata.src_node_id, reply.error.reason)
+                continue
+            hello = Hello.from_message(reply)
+            plan = self._plan(hello)
+            self.nodes[reply.metadata.src_node_id] = _Node(hello.partition_id, hello.num_examples, plan)
+            log.info(
+                "node %s: partition %d trains %s", reply.metadata.src_node_id, hello.partition_id, plan.mode
+            )
+
+    def _plan(self, hello: Hello) -> ClientPlan:
+        if self.config.profiles:
+            profile = self.config.profiles[hello.partition_id]
+        else:
+            base = CATALOGUE["pi4_wifi"]
+            compute = dataclasses.replace(base.compute, memory_bytes=hello.memory_bytes)
+            profile = ClientProfile(compute, base.link, f"{hello.memory_bytes} bytes")
+        key = profile.compute.memory_bytes
+        if key not in self._plans:
+            example = self.test[0][0]
+            self._plans[key] = plan_fleet(copy.deepcopy(self.model), example, [profile], self.config.memory)[
+                0
+            ][0]
+        return self._plans[key]
+
+    def _collect(self, ids: Iterable[str], deadline: float) -> list[Message]:
+        """Replies to pushed messages, as they come, until all are in or ``deadline`` passes."""
+        waiting, replies = set(ids), []
+        while waiting and time.monotonic() < deadline:
+            for reply in self.grid.pull_messages(list(waiting)):
+                waiting.discard(reply.metadata.reply_to_message_id)
+                replies.append(reply)
+            if waiting:
+                self._wake.wait(0.05)
+        return replies
+
+    # --------------------------------------------------------------------------------- checkpoints
+    def _server_stages(
+        self, sessions: list[SplitSession], shared: torch.nn.Module | None
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+        """The server-side stages by owner (model keys) and their optimizers' momentum (by index)."""
+        stages: dict[str, dict[str, torch.Tensor]] = {}
+        if shared is not None:
+            stages["shared"] = {k: v.detach().clone() for k, v in shared.state_dict().items()}
+        for s in sessions:
+            if shared is None:
+                state = s.back.back.state_dict()
+                stages[s.owner] = {s.keys[1][k]: v.detach().clone() for k, v in state.items()}
+        return stages, {s.owner: momentum_buffers(s.back.optimizer) for s in sessions}
+
+    def checkpoint(self) -> SplitCheckpoint:
+        """What :meth:`run` writes after each round."""
+        return SplitCheckpoint(
+            self.completed_round,
+            {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()},
+            server_stages=flatten(self.server_state),
+            server_optim=flatten(self.server_optim),
+            links=link_arrays(self.links),
+            history=[dataclasses.asdict(r) for r in self.history],
+            run=self.config.run_fingerprint(),
+        )
+
+    def _restore(self) -> None:
+        saved = load_split_checkpoint(self.config.state_dir)
+        if saved is None:
+            log.info("no split checkpoint in %s: starting afresh", self.config.state_dir)
+            return
+        if saved.run != self.config.run_fingerprint():
+            raise ValueError(f"the checkpoint is of another run: {saved.run}")
+        self.model.load_state_dict({k: torch.from_numpy(v) for k, v in saved.global_state.items()})
+        self.links = restore_links(saved.links, self.config.split.cut)
+        self.server_state, self.server_optim = nest(saved.server_stages), nest(saved.server_optim)
+        self.history = [EngineRound(**r) for r in saved.history]
+        self.completed_round = saved.completed_round
+        log.info("resuming the split run after round %d", self.completed_round)

@@ -1,0 +1,127 @@
+"""Configuration and per-round record of the split coordinator (:mod:`fedge.split.coordinator`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fedge.config import ConfigError
+from fedge.devices.fleet import ClientProfile
+from fedge.split.config import SplitFedConfig
+from fedge.split.memory import MemoryConfig
+
+__all__ = ["EngineRound", "SplitAppConfig"]
+
+
+@dataclass(frozen=True)
+class SplitAppConfig:
+    """A split federated run over a Flower Grid (fedge's local engine, MQTT agents, any Grid).
+
+    Parameters
+    ----------
+    task : str (default: "fedge.app.task:DigitsTask")
+        Task import path; every request names it (an agent runs only tasks on its allow-list).
+    task_args : str (default: "{}")
+        The task's keyword arguments, JSON.
+    alpha : float (default: 0.5)
+        Dirichlet concentration of the data split.
+    split : SplitFedConfig (default: SplitFedConfig())
+        Rounds, batches, optimizer, variant (V1/V2) and the cut's codecs. Not supported by the engine yet:
+        ``u_shaped``, ``parallel=False`` and ``update_codec`` (updates travel dense).
+    memory : MemoryConfig (default: MemoryConfig())
+        How training memory is counted and which cut a small device gets (:func:`plan_fleet`).
+    profiles : tuple of ClientProfile (default: ())
+        Device profiles by partition id (simulations); empty: each node's reported ``memory-bytes``.
+    min_nodes : int (default: 1)
+        Nodes to wait for before round 1.
+    num_partitions : int or None (default: None)
+        The data split the coordinator's test set is prepared for; ``min_nodes`` when None.
+    wait_for_nodes_s : float (default: 120)
+        How long to wait for ``min_nodes``.
+    step_timeout_s : float (default: 60)
+        How long one exchange (every split client's batch, in parallel) waits for replies.
+    round_timeout_s : float (default: 600)
+        How long a round waits for clients that are offline or behind; then it ends without them.
+    max_attempts : int (default: 3)
+        Exchanges a batch gets (a client that did not answer is asked again once it is online) before it
+        is given up.
+    state_dir : str (default: "")
+        Where the checkpoint is written after every round; empty writes none.
+    resume : bool (default: False)
+        Continue after the checkpoint in ``state_dir`` (a fresh start if there is none).
+    model_seed : int (default: 0)
+        Seeds the initial global model.
+    run_id : int (default: 1)
+        The Flower run id stamped on messages.
+    """
+
+    task: str = "fedge.app.task:DigitsTask"
+    task_args: str = "{}"
+    alpha: float = 0.5
+    split: SplitFedConfig = field(default_factory=SplitFedConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    profiles: tuple[ClientProfile, ...] = ()
+    min_nodes: int = 1
+    num_partitions: int | None = None
+    wait_for_nodes_s: float = 120.0
+    step_timeout_s: float = 60.0
+    round_timeout_s: float = 600.0
+    max_attempts: int = 3
+    state_dir: str = ""
+    resume: bool = False
+    model_seed: int = 0
+    run_id: int = 1
+
+    def __post_init__(self) -> None:
+        checks = (
+            (not self.split.u_shaped, "the split engine does not run the U-shaped variant yet"),
+            (self.split.parallel, "the split engine runs SplitFed (parallel=True) only"),
+            (self.split.update_codec is None, "the split engine sends updates dense (update_codec=None)"),
+            (self.min_nodes >= 1, "min_nodes must be >= 1"),
+            (self.max_attempts >= 1, "max_attempts must be >= 1"),
+            (self.step_timeout_s > 0 and self.round_timeout_s > 0, "timeouts must be > 0"),
+            (not self.resume or bool(self.state_dir), "resume needs a state_dir"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def run_fingerprint(self) -> dict[str, object]:
+        """What a resumed run must share with the checkpointed one."""
+        cut = self.split.cut
+        return {
+            "task": self.task,
+            "task_args": self.task_args,
+            "variant": self.split.variant,
+            "activation_codec": cut.activation_codec,
+            "gradient_codec": cut.gradient_codec,
+        }
+
+
+@dataclass(frozen=True)
+class EngineRound:
+    """One round of the split engine: the global model's test figures and what happened on the wire.
+
+    ``split_steps`` counts batches the coordinator stepped its server side on; ``lost_batches`` those a
+    client dropped (given up after ``max_attempts``, or a gradient the client never applied);
+    ``retries`` the exchanges asked again. ``steps_by_partition`` and ``trained`` (partitions whose
+    update was averaged in) say who took part. Bytes are payload bytes at the cut (activations and
+    gradients, and what they take as fp32), labels, and dense updates up and models down.
+    """
+
+    round: int
+    accuracy: float
+    loss: float
+    train_loss: float
+    full_clients: int
+    split_clients: int
+    split_steps: int
+    lost_batches: int
+    retries: int
+    cut_bytes: int
+    cut_dense_bytes: int
+    label_bytes: int
+    update_bytes: int
+    model_bytes_down: int
+    wall_s: float
+    trained: list[int] = field(default_factory=list)
+    steps_by_partition: dict[str, int] = field(default_factory=dict)
