@@ -206,14 +206,30 @@ class Codec:
         put_varint(out, len(spec))
         out += spec
         put_varint(out, len(tensors))
+        sparsifier = self._sparsifier_for(tensors, dtypes)
         for index, (name, array) in enumerate(tensors.items()):
             try:
                 rng = np.random.default_rng([seed, index])
-                self._encode_tensor(out, name, array, dtypes.get(name), rng, state)
+                self._encode_tensor(out, name, array, dtypes.get(name), rng, state, sparsifier)
             except CodecError as error:
                 raise type(error)(f"tensor {name!r}: {error}") from None
         out += zlib.crc32(out).to_bytes(4, "little")
         return bytes(out)
+
+    def _sparsifier_for(
+        self, tensors: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
+    ) -> Sparsifier | None:
+        """The sparsifier of this payload: top-k's ``min_count`` floor applied over the tensors it sparsifies
+        (the spec written stays the codec's own: the floor is part of it)."""
+        if not isinstance(self.sparsifier, TopK) or not self.sparsifier.min_count:
+            return self.sparsifier
+        sparsified = sum(
+            np.size(array)
+            for name, array in tensors.items()
+            if (dtypes.get(name) or np.asarray(array).dtype.name) not in INTEGER_DTYPES
+            and not self.policy.keeps_dense(name, np.size(array))
+        )
+        return self.sparsifier.floored(int(sparsified))
 
     def _encode_tensor(
         self,
@@ -223,6 +239,7 @@ class Codec:
         dtype: str | None,
         rng: np.random.Generator,
         state: dict[str, np.ndarray] | None,
+        sparsifier: Sparsifier | None = None,
     ) -> None:
         array = np.asarray(array)
         if array.dtype.name not in DTYPES:
@@ -253,7 +270,7 @@ class Codec:
             out.append(DENSE)
             self.policy.dense_stage.encode(flat, rng, out)
             return
-        self._encode_compressed(out, name, array.shape, flat, rng, state)
+        self._encode_compressed(out, name, array.shape, flat, rng, state, sparsifier)
         if len(out) - start > dense_record_size(flat.size):  # never bigger than dense
             del out[start:]
             out.append(DENSE)
@@ -296,8 +313,9 @@ class Codec:
         flat: np.ndarray,
         rng: np.random.Generator,
         state: dict[str, np.ndarray] | None,
+        sparsifier: Sparsifier | None = None,
     ) -> None:
-        sparsifier = self.sparsifier
+        sparsifier = sparsifier or self.sparsifier
         if isinstance(sparsifier, TopK | Threshold):
             positions = sparsifier.select(flat, rng)  # also rejects NaN/Inf in its scan
             out.append(SPARSE)
@@ -352,6 +370,8 @@ def _stage_spec(stage: Any) -> str:
     args = []
     for i, f in enumerate(fields(stage)):
         value = getattr(stage, f.name)
+        if f.name in getattr(stage, "omitted_at_default", ()) and value == f.default:
+            continue
         text = str(value).lower() if isinstance(value, bool) else str(value)
         args.append(text if i == 0 else f"{f.name}={text}")
     return stage.name + (":" + ",".join(args) if args else "")

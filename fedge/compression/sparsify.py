@@ -16,7 +16,7 @@ Each returns sorted ``int64`` positions into the flattened tensor.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -52,16 +52,32 @@ class TopK:
         Fraction of entries kept, in (0, 1].
     mode : str, default "fast"
         ``"fast"`` (sampled threshold, then exact count correction) or ``"exact"`` (full argpartition).
+    min_count : int, default 0
+        Floor on the entries one payload keeps over all the tensors it sparsifies: on a model of ``N``
+        such elements the density is raised to ``min_count / N`` when that is larger. A density that suits
+        a large model leaves a small one a handful of values per round, which error feedback then holds
+        back for many rounds; the floor costs a few hundred bytes and keeps small models training.
     """
 
     density: float
     mode: str = "fast"
+    min_count: int = 0
     name: ClassVar[str] = "topk"
+    omitted_at_default: ClassVar[tuple[str, ...]] = ("min_count",)  # specs written before it existed
 
     def __post_init__(self) -> None:
         _check_density(self.name, self.density)
         if self.mode not in ("fast", "exact"):
             raise CodecConfigError(f"topk: mode must be 'fast' or 'exact', got {self.mode!r}")
+        if self.min_count < 0:
+            raise CodecConfigError(f"topk: min_count must be >= 0, got {self.min_count}")
+
+    def floored(self, sparsified_elements: int) -> TopK:
+        """This sparsifier with the density ``min_count`` asks for on ``sparsified_elements``."""
+        if not self.min_count or not sparsified_elements:
+            return self
+        density = min(1.0, max(self.density, self.min_count / sparsified_elements))
+        return self if density == self.density else replace(self, density=density)
 
     def select(self, flat: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Sorted positions of the top ``k`` entries of ``flat`` (float32, 1-D)."""

@@ -71,9 +71,12 @@ def _run_local(
     client_of = {node: int(context.node_config["partition-id"]) for node, context in grid.contexts.items()}
     try:
         clocked = clocked_grid(grid, config, task, client_of)
-        return run_federated(clocked, app_config, listeners, num_partitions=config.clients)
-    finally:
-        grid.shutdown()
+        history = run_federated(clocked, app_config, listeners, num_partitions=config.clients)
+    except BaseException:  # Ctrl-C or a failed run: the calls still queued or running serve nobody
+        grid.shutdown(cancel=True)
+        raise
+    grid.shutdown()
+    return history
 
 
 def _run_ray(

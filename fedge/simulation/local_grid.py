@@ -76,8 +76,8 @@ class _ThreadPool:
         for future in futures:
             future.cancel()  # a call already running in a thread cannot be stopped; it finishes unheard
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+    def shutdown(self, *, cancel: bool = False) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=cancel)
 
 
 class LocalGrid(RunGrid):
@@ -167,9 +167,10 @@ class LocalGrid(RunGrid):
             self._pool.cancel([self._pending.pop(i)[1] for i in late])
         return self.pull_messages(ids)
 
-    def shutdown(self) -> None:
-        """Stop the workers (pending ClientApp calls finish first)."""
-        self._pool.shutdown()
+    def shutdown(self, *, cancel: bool = False) -> None:
+        """Stop the workers; pending ClientApp calls finish first, or with ``cancel`` are dropped (an
+        interrupted run does not wait for a round nobody will aggregate)."""
+        self._pool.shutdown(cancel=cancel)
 
     def _reply(self, message: Message, future: Future[tuple[bytes, bytes]]) -> Message:
         """The reply of a finished call; the node's Context advances only if the call completed."""

@@ -92,9 +92,13 @@ class WorkerPool:
             worker.process.kill()
             self._bury(worker, cause="stopped: it ran past its deadline")
 
-    def shutdown(self) -> None:
-        """Finish queued and running calls, then stop the workers."""
-        self.wait([job[0] for job in self._queue] + [w.job[0] for w in self._workers if w.job])
+    def shutdown(self, *, cancel: bool = False) -> None:
+        """Finish queued and running calls (``cancel``: drop them, killing busy workers), then stop the
+        workers."""
+        pending = [job[0] for job in self._queue] + [w.job[0] for w in self._workers if w.job]
+        if cancel:
+            self.cancel(pending)
+        self.wait(pending)
         for worker in self._workers:
             worker.conn.close()  # the worker reads end-of-file and exits
         for worker in self._workers:

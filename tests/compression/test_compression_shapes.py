@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from test_compression_malformed import FUZZ, _check_outcome, _frame, _varint
 
 from fedge.compression import (
+    CodecConfigError,
     CodecError,
     InvalidTensorError,
     MalformedPayloadError,
@@ -193,3 +194,21 @@ def test_mutated_payloads_with_zero_and_integer_records_raise_only_codec_errors(
         index = data.draw(st.integers(6, len(body) - 1))
         body[index] = data.draw(st.integers(0, 255))
     _check_outcome(bytes(body) + zlib.crc32(body).to_bytes(4, "little"))
+
+
+def test_top_k_min_count_floors_what_a_small_model_sends_and_leaves_a_large_one_alone():
+    codec = build_codec("topk:0.01,min_count=256+int8;min=0,patterns=")
+    assert build_codec(codec.spec) == codec and "min_count=256" in codec.spec
+    assert "min_count" not in build_codec("topk:0.01+int8").spec  # specs without it read as before
+    rng = np.random.default_rng(0)
+    small = {
+        "w": rng.standard_normal((64, 20)).astype(np.float32),
+        "b": rng.standard_normal(64).astype(np.float32),
+    }
+    large = {"w": rng.standard_normal((300, 300)).astype(np.float32)}
+    small_nnz = sum(t.nnz for t in inspect_payload(codec.encode(small)).tensors)
+    large_nnz = sum(t.nnz for t in inspect_payload(codec.encode(large)).tensors)
+    assert 256 <= small_nnz <= 256 + len(small)  # 1 % of 1,344 would be 14 values
+    assert large_nnz == 900  # 1 % of 90,000: the floor does not bind
+    with pytest.raises(CodecConfigError, match="min_count must be >= 0"):
+        build_codec("topk:0.01,min_count=-1")
