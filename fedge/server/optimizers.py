@@ -9,21 +9,39 @@ and applies it to the global model ``x`` (Reddi et al., *Adaptive Federated Opti
 * ``adam`` (FedAdam): ``m ← β₁ · m + (1 − β₁) · Δ``,  ``s ← β₂ · s + (1 − β₂) · Δ²``,
   ``x ← x + η_t · m / (√s + τ)`` with Adam's bias correction ``η_t = η · √(1 − β₂ᵗ) / (1 − β₁ᵗ)``.
 
+Statistics are not parameters: a BatchNorm running mean or variance, or a batch counter, is the clients'
+average, never a gradient step. :func:`statistics` names them (integer tensors and the ``running_*`` and
+``num_batches*`` buffers), and :meth:`ServerOptimizer.step` averages those plainly whatever ``η`` and the
+optimizer are: ``x ← x + Δ`` (a running variance pushed by ``η = 3`` goes negative).
+
 Every step works in place on float32 arrays, so a step needs no memory beyond the model, the update
 buffer it consumes and the optimizer's own state (none, one or two model-sized arrays).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["OPTIMIZERS", "ServerOptimizer"]
+__all__ = ["OPTIMIZERS", "STATISTICS_PATTERNS", "ServerOptimizer", "statistics"]
 
 OPTIMIZERS = ("avg", "avgm", "adam")
+STATISTICS_PATTERNS = ("*running_mean*", "*running_var*", "*num_batches*")
+"""Names of buffers that hold statistics (PyTorch's BatchNorm naming), matched case-insensitively."""
+
+
+def statistics(dtypes: Mapping[str, str]) -> frozenset[str]:
+    """The tensors of a model (by name, with their dtypes) that are statistics, not parameters."""
+    return frozenset(
+        name
+        for name, dtype in dtypes.items()
+        if np.dtype(dtype).kind in "iub"
+        or any(fnmatch.fnmatchcase(name.lower(), pattern) for pattern in STATISTICS_PATTERNS)
+    )
 
 
 @dataclass
@@ -71,13 +89,24 @@ class ServerOptimizer:
             if not ok:
                 raise ValueError(message)
 
-    def step(self, params: Mapping[str, np.ndarray], update: Mapping[str, np.ndarray]) -> None:
-        """Apply the averaged ``update`` to ``params`` in place; ``update``'s buffers are overwritten."""
+    def step(
+        self,
+        params: Mapping[str, np.ndarray],
+        update: Mapping[str, np.ndarray],
+        averaged: frozenset[str] = frozenset(),
+    ) -> None:
+        """Apply the averaged ``update`` to ``params`` in place; ``update``'s buffers are overwritten.
+
+        Tensors named in ``averaged`` (see :func:`statistics`) take the plain average, ``x ← x + Δ``.
+        """
         self.steps += 1
         lr = self.learning_rate
         if self.kind == "adam":
             lr *= math.sqrt(1 - self.beta_2**self.steps) / (1 - self.beta_1**self.steps)
         for name, direction in update.items():
+            if name in averaged:
+                params[name] += direction
+                continue
             if self.kind == "avgm":
                 velocity = self._buffer("velocity", name, direction)
                 velocity *= np.float32(self.momentum)

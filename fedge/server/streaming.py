@@ -26,7 +26,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedge.compression import CodecError, decode_add
 from fedge.protocol.records import arrays_to_record, record_to_arrays
 from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY, CompressedChannel, CompressionConfig
-from fedge.server.optimizers import ServerOptimizer
+from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.screening import Rejected
 
 __all__ = ["StreamingFedAvg"]
@@ -150,7 +150,7 @@ class StreamingFedAvg(FedAvg):
                 self.channel.reject(server_round, reply.node_id, Rejected("undecodable", str(err)))
                 continue
             aggregated.append(reply)
-        self.optimizer.step(self._model, running)
+        self.optimizer.step(self._model, running, averaged=statistics(self._dtypes))
         del running
         self.channel.count(server_round, [reply.node_id for reply in aggregated])
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])

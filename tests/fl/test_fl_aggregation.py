@@ -158,3 +158,24 @@ def test_array_record_keys_survive_compressed_downloads():
     finally:
         grid.shutdown()
     assert all(m.content[INSTRUCTION_KEY]["arrays-key"] == "weights" for m in messages)
+
+
+def test_statistics_take_the_plain_average_whatever_the_server_step():
+    from fedge.server.optimizers import statistics
+
+    dtypes = {
+        "bn.weight": "float32",
+        "bn.running_var": "float32",
+        "bn.num_batches_tracked": "int64",
+        "fc.weight": "float32",
+    }
+    assert statistics(dtypes) == {"bn.running_var", "bn.num_batches_tracked"}
+    for kind in ("avg", "avgm", "adam"):
+        params = {name: np.ones(2, np.float32) for name in dtypes}
+        update = {name: np.full(2, -0.5, np.float32) for name in dtypes}
+        ServerOptimizer(kind, learning_rate=3.0).step(params, update, averaged=statistics(dtypes))
+        assert np.allclose(params["bn.running_var"], 0.5) and np.allclose(
+            params["bn.num_batches_tracked"], 0.5
+        )
+        if kind == "avg":  # the parameters took the 3x step (and would have driven a variance negative)
+            assert np.allclose(params["fc.weight"], -0.5)
