@@ -1,7 +1,9 @@
 """Model partitioning across devices: graph capture, a calibrated cost model, an exact planner, stage
 export and a pipelined local runner (see ``docs/partitioning.md``).
 
-Pure cores (no I/O): :mod:`.graph`, :mod:`.costs`, :mod:`.planner`, :mod:`.fleet`. ONNX and ONNX Runtime
+Pure cores (no I/O): :mod:`.graph`, :mod:`.costs`, :mod:`.planner` (with :mod:`.plans`, :mod:`.latency`,
+:mod:`.bottleneck`, :mod:`.baselines`, :mod:`.windows`, :mod:`.subsets`, :mod:`.stagecosts`), :mod:`.fit`,
+:mod:`.fleet`. ONNX and ONNX Runtime
 are used by :mod:`.onnx_graph`, :mod:`.stages`, :mod:`.runtime` and :mod:`.calibrate`; torch only by
 :func:`export_onnx` and :mod:`.models`, imported on use.
 """

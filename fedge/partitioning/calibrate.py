@@ -3,8 +3,13 @@
 ONNX Runtime fuses nodes (Conv+Relu, Add+Gelu, NCHWc layouts) and names fused kernels after an output
 tensor or not at all. A kernel is attributed to the node it names (directly or through an output tensor)
 and spread, by FLOPs, over that node and the run of unprofiled nodes just before it (what it absorbed);
-unattributable kernel time is spread over all nodes by FLOPs. A least-squares fit of measured stage times
-against summed node times then gives ``scale`` and the per-run ``stage_overhead_s``.
+unattributable kernel time is spread over all nodes by FLOPs.
+
+Stages are then timed as they will run (one intra-op thread, no spinning, sequential execution), and a
+non-negative least-squares fit (:mod:`fedge.partitioning.fit`) of their times against the profiled time
+per op class, a per-run overhead and a per-boundary-byte cost gives the calibration. Timing interleaves
+the stages round-robin and keeps each one's fastest run: on a shared host a burst of load then slows one
+round of every stage instead of all runs of one stage, and the fastest run is the least disturbed.
 """
 
 from __future__ import annotations
@@ -21,11 +26,20 @@ import numpy as np
 import onnx
 
 from fedge.partitioning.costs import Calibration
+from fedge.partitioning.fit import fit_stage_model, op_classes
 from fedge.partitioning.graph import ModelGraph
 from fedge.partitioning.onnx_graph import extract_stage
 from fedge.partitioning.runtime import OrtExecutor, session_options
 
-__all__ = ["calibrate", "profile_nodes", "time_stage"]
+__all__ = [
+    "calibrate",
+    "fit_segments",
+    "profile_nodes",
+    "stage_feeds",
+    "time_segments",
+    "time_stage",
+    "time_stages",
+]
 
 _SUFFIX = re.compile(r"(_nchwc|_token_\d+|_fused.*|_kernel_time)$")
 
@@ -83,17 +97,43 @@ def profile_nodes(
 def time_stage(
     model: bytes | str, feeds: dict[str, np.ndarray], repeats: int = 20, threads: int = 1
 ) -> float:
-    """Fastest of ``repeats`` session runs of a (stage) model on ``feeds`` (the least disturbed by other
-    processes on a shared host; the calibration measures node times the same way)."""
-    executor = OrtExecutor(model, threads)
-    for _ in range(3):
-        executor.run(feeds)
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        executor.run(feeds)
-        samples.append(time.perf_counter() - t)
-    return min(samples)
+    """Fastest of ``repeats`` session runs of a (stage) model on ``feeds`` (see :func:`time_stages`)."""
+    return time_stages([model], [feeds], repeats, threads)[0]
+
+
+def time_stages(
+    models: Sequence[bytes | str],
+    feeds: Sequence[dict[str, np.ndarray]],
+    rounds: int = 20,
+    threads: int = 1,
+    warmup: int = 3,
+) -> list[float]:
+    """Seconds per run of each model: the fastest of ``rounds`` runs, taken round-robin over the models.
+
+    Parameters
+    ----------
+    models : sequence of bytes or str
+        Serialized (stage) models or paths.
+    feeds : sequence of dict
+        Each model's inputs.
+    rounds : int (default: 20)
+        Timed runs per model.
+    threads : int (default: 1)
+        Intra-op threads (one: the other cores' load then adds the least noise).
+    warmup : int (default: 3)
+        Untimed runs per model first (allocations, kernel selection).
+    """
+    executors = [OrtExecutor(m, threads) for m in models]
+    for ex, f in zip(executors, feeds, strict=True):
+        for _ in range(warmup):
+            ex.run(f)
+    best = [float("inf")] * len(executors)
+    for _ in range(rounds):
+        for k, (ex, f) in enumerate(zip(executors, feeds, strict=True)):
+            t = time.perf_counter()
+            ex.run(f)
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
 
 
 def stage_feeds(
@@ -110,6 +150,18 @@ def stage_feeds(
     return out
 
 
+def fit_segments(n: int, extra: int = 6, seed: int = 0) -> list[tuple[int, int]]:
+    """The stages timed for the fit: the whole model, its eighths, and ``extra`` random contiguous ranges
+    (a fixed seed: the same stages on every run)."""
+    bounds = sorted({round(k * n / 8) for k in range(9)})
+    segments = {(0, n), *itertools.pairwise(bounds)}
+    rng = np.random.default_rng(seed)
+    while len(segments) < min(len(bounds) + extra, n * (n + 1) // 2):
+        a, b = sorted(int(x) for x in rng.choice(n + 1, 2, replace=False))
+        segments.add((a, b))
+    return sorted(segments)
+
+
 def calibrate(
     model: onnx.ModelProto,
     graph: ModelGraph,
@@ -119,8 +171,9 @@ def calibrate(
     fit_bounds: Sequence[int] | None = None,
     repeats: int = 10,
     threads: int = 1,
+    segments: Sequence[tuple[int, int]] | None = None,
 ) -> Calibration:
-    """Measure this host: node times at the batch of ``feeds``, then fit scale and per-stage overhead.
+    """Measure this host: node times at the batch of ``feeds``, then fit the stage-time model.
 
     Parameters
     ----------
@@ -131,44 +184,62 @@ def calibrate(
     host_flops_per_s : float (default: 1e11)
         The ``flops_per_s`` this host stands for in fleet files (devices scale its times by their ratio).
     fit_bounds : sequence of int or None (default: None)
-        Cuts of the stages timed for the fit (default: the whole model, halves and quarters).
+        Cuts of consecutive stages to time for the fit, with the whole model (default: see ``segments``).
     repeats : int (default: 10)
-        Profiled runs.
+        Profiled runs; stages are timed over twice as many rounds.
     threads : int (default: 1)
         Intra-op threads, as the runner will use.
+    segments : sequence of (start, end) or None (default: None)
+        Stages to time for the fit (default: :func:`fit_segments`); ignored if ``fit_bounds`` is given.
     """
     node = profile_nodes(model, graph, feeds, repeats, threads)
     n = len(graph)
-    bounds = list(fit_bounds or sorted({round(k * n / 8) for k in range(9)}))
-    segments = [(0, n), *itertools.pairwise(bounds)]
-    predicted, measured = [], []
-    inputs = {
-        (a, b): f
-        for (a, b), f in zip(
-            itertools.pairwise(bounds), stage_feeds(model, graph, feeds, bounds), strict=True
-        )
-    }
-    inputs[(0, n)] = dict(feeds)
-    for a, b in segments:
-        stage = model if (a, b) == (0, n) else extract_stage(model, graph, a, b)
-        measured.append(time_stage(stage.SerializeToString(), inputs[(a, b)], repeats, threads))
-        predicted.append(node[a:b].sum())
+    if fit_bounds is not None:
+        segments = [(0, n), *itertools.pairwise(sorted(set(fit_bounds)))]
+    segments = sorted(set(segments or fit_segments(n)))
+    measured = time_segments(model, graph, feeds, segments, 2 * repeats, threads)
+    classes = op_classes([nd.op_type for nd in graph.nodes])
+    per_class = np.stack([np.where(classes == c, node, 0.0) for c in range(2)], axis=1)
+    prefix = np.concatenate([np.zeros((1, 2)), np.cumsum(per_class, axis=0)])
+    profiled = np.array([prefix[b] - prefix[a] for a, b in segments])
     batch = len(next(iter(feeds.values())))
     arr = graph.arrays
     raw = batch * (arr.cross_float + arr.cross_other) + arr.cross_fixed
     io = np.array([raw[a] + raw[b] for a, b in segments])
-    x, y = np.array(predicted), np.array(measured)
-    # Fit y = scale * x + overhead + per_byte * io, weighting relative error (small stages matter as much as
-    # big ones); the byte term is the layout conversion and copying a stage does at its boundaries.
-    w = 1.0 / y
-    A = np.stack([x * w, w, io * w], axis=1)
-    (scale, overhead, per_byte), *_ = np.linalg.lstsq(A, y * w, rcond=None)
-    if scale <= 0 or overhead < 0 or per_byte < 0:
-        A = np.stack([x * w, w], axis=1)
-        (scale, overhead), *_ = np.linalg.lstsq(A, y * w, rcond=None)
-        per_byte = 0.0
-        if scale <= 0 or overhead < 0:
-            scale, overhead = float(y.sum() / x.sum()), 0.0
+    fit = fit_stage_model(profiled, io, np.array(measured))
+    scaled = node * np.asarray(fit.class_scales)[classes]
     return Calibration(
-        tuple(float(t) for t in node), batch, host_flops_per_s, float(overhead), float(scale), float(per_byte)
+        tuple(float(t) for t in scaled),
+        batch,
+        host_flops_per_s,
+        fit.overhead_s,
+        1.0,
+        fit.per_byte_s,
+        fit.class_scales,
     )
+
+
+def time_segments(
+    model: onnx.ModelProto,
+    graph: ModelGraph,
+    feeds: dict[str, np.ndarray],
+    segments: Sequence[tuple[int, int]],
+    rounds: int,
+    threads: int,
+) -> list[float]:
+    """Fastest run of each stage ``[a, b)`` on its real inputs."""
+    n = len(graph)
+    env = {}
+    for a in sorted({a for a, _ in segments} - {0}):
+        # A stage from cut a reads tensors crossing cut a: the outputs of the prefix [0, a).
+        head = OrtExecutor(extract_stage(model, graph, 0, a).SerializeToString(), threads)
+        env[a] = {**feeds, **head.run(feeds)}
+    env[0] = dict(feeds)
+    stages = [
+        model.SerializeToString()
+        if (a, b) == (0, n)
+        else extract_stage(model, graph, a, b).SerializeToString()
+        for a, b in segments
+    ]
+    inputs = [{t: env[a][t] for t in graph.stage_inputs(a, b)} for a, b in segments]
+    return time_stages(stages, inputs, rounds, threads)

@@ -24,6 +24,7 @@ import numpy as np
 
 from fedge.partitioning.fleet import Fleet
 from fedge.partitioning.graph import ModelGraph
+from fedge.partitioning.windows import RangeTable
 
 __all__ = ["BOUNDARY_BYTES_FACTOR", "INT8_HEADER_BYTES", "Calibration", "CostModel", "RangeTable"]
 
@@ -40,7 +41,8 @@ class Calibration:
     Parameters
     ----------
     node_seconds : tuple of float
-        Seconds per node at ``batch``, in the graph's node order.
+        Seconds per node at ``batch``, in the graph's node order (from :func:`~.calibrate.calibrate`: the
+        profiler's kernel time times its op class's fitted scale).
     batch : int
         The batch size they were measured at (costs for another batch scale linearly: an approximation).
     host_flops_per_s : float
@@ -51,6 +53,9 @@ class Calibration:
         Fitted ratio of a stage's measured time to the sum of its nodes' kernel times.
     io_seconds_per_byte : float (default: 0.0)
         Fitted host time per byte of a stage's input and output tensors (copies, layout conversions).
+    class_scales : tuple of float (default: ())
+        The fitted per-op-class scales already folded into ``node_seconds`` (a record, not reapplied;
+        see :mod:`fedge.partitioning.fit`).
     """
 
     node_seconds: tuple[float, ...]
@@ -59,42 +64,7 @@ class Calibration:
     stage_overhead_s: float = 0.0
     scale: float = 1.0
     io_seconds_per_byte: float = 0.0
-
-
-class RangeTable:
-    """Range minimum (or maximum) over ``values[lo:hi]`` in O(1) per query, vectorized (a sparse table).
-
-    Parameters
-    ----------
-    values : ndarray, shape (..., m)
-        Rows of values; queries run along the last axis.
-    op : {"min", "max"}
-        Which extreme to return; an empty range returns +inf (min) or -inf (max).
-    """
-
-    def __init__(self, values: np.ndarray, op: str = "min") -> None:
-        self._fn = np.minimum if op == "min" else np.maximum
-        self._empty = math.inf if op == "min" else -math.inf
-        self._levels = [np.asarray(values, dtype=np.float64)]
-        width = 1
-        while 2 * width <= values.shape[-1]:
-            prev = self._levels[-1]
-            self._levels.append(self._fn(prev[..., :-width], prev[..., width:]))
-            width *= 2
-
-    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Extreme of ``values[..., lo:hi]`` for 1-D index arrays ``lo``, ``hi`` of equal length."""
-        lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
-        length = hi - lo
-        out = np.full((*self._levels[0].shape[:-1], len(lo)), self._empty)
-        level = np.zeros(len(lo), dtype=np.int64)
-        valid = length > 0
-        level[valid] = np.floor(np.log2(length[valid])).astype(np.int64)
-        for lvl in np.unique(level[valid]):
-            idx = np.flatnonzero(valid & (level == lvl))
-            table = self._levels[lvl]
-            out[..., idx] = self._fn(table[..., lo[idx]], table[..., hi[idx] - (1 << lvl)])
-        return out
+    class_scales: tuple[float, ...] = ()
 
 
 class CostModel:
@@ -285,7 +255,7 @@ class CostModel:
                 fits &= mid < end
                 hi = np.where(fits, mid, hi)
                 lo = np.where(fits, lo, mid + 1)
-            out[d] = lo
+            out[d] = np.minimum(lo, end)  # settled entries kept moving in the loop; no window passes j
         return out
 
 
