@@ -13,13 +13,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from fedge.app.attacks import AttackMod
 from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
 from fedge.client.compression_mod import CompressionMod
 
 __all__ = ["app", "local_seed"]
 
 # The mod compresses replies only when the coordinator's train message asks for it; otherwise it is inert.
-app = ClientApp(mods=[CompressionMod()])
+# AttackMod, inside it, poisons the trained weights only when the train config names an attack (simulations).
+app = ClientApp(mods=[CompressionMod(), AttackMod()])
 
 # Whoever loads the ClientApp (the local engine before it forks, an agent, a Ray actor) pays this once.
 warm_up_torch()

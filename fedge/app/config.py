@@ -14,12 +14,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from fedge.app.attacks import ATTACKS
+from fedge.app.presets import PRESETS
 from fedge.compression import CodecConfigError, build_codec
 from fedge.config import ConfigError, check_types, from_table
 from fedge.server.downlink import FULL_MODEL_CODECS
 from fedge.server.optimizers import OPTIMIZERS
 
-__all__ = ["AppConfig"]
+__all__ = ["STRATEGIES", "AppConfig"]
+
+_PRESET_DEFAULTS = {"codec": "", "downlink_codec": "", "server_lr": 1.0, "ef_momentum": 0.0}
+"""What the fields a preset sets hold when neither they nor ``compress`` say otherwise."""
+
+STRATEGIES = (
+    "fedavg",
+    "median",
+    "trimmed-mean",
+    "sparse-median",
+    "sparse-trimmed-mean",
+    "sparse-clipped-mean",
+)
+"""``AppConfig.strategy`` values; ``sparse-*`` aggregate compressed updates (:mod:`fedge.server.robust`)."""
 
 
 @dataclass(frozen=True)
@@ -51,21 +66,24 @@ class AppConfig:
         Where metrics.json and plots go; empty writes nothing.
     min_nodes : int (default: 1)
         Nodes that must be connected before round 1 samples (Flower samples from whoever is there).
-    codec : str (default: "")
+    compress : str (default: "")
+        A compression preset, ``light``, ``strong`` or ``max`` (:mod:`fedge.app.presets`): sets ``codec``,
+        ``downlink_codec``, ``server_lr`` and ``ef_momentum`` together, except those given explicitly.
+    codec : str or None (default: None: the preset's, else "")
         Uplink codec spec (e.g. ``"topk:0.01+int8"``): clients send compressed updates with error feedback
         and the coordinator aggregates them streaming (:class:`fedge.server.StreamingFedAvg`). Empty runs
         Flower's dense FedAvg.
-    downlink_codec : str (default: "")
+    downlink_codec : str or None (default: None: the preset's, else "")
         Codec of the per-round model delta sent to clients; empty sends the dense model. Needs ``codec``.
     full_model_codec : str (default: "fp16")
         How clients without the previous model version get the whole model: fp16, fp32 or int8.
     server_optimizer : str (default: "avg")
         ``avg`` (FedAvg), ``avgm`` (server momentum) or ``adam`` (FedAdam); not ``avg`` needs ``codec``.
-    server_lr : float (default: 1.0)
+    server_lr : float or None (default: None: the preset's, else 1.0)
         Server learning rate applied to the averaged update; anything but 1.0 needs ``codec``.
     server_momentum : float (default: 0.9)
         Momentum of ``avgm``.
-    ef_momentum : float (default: 0.0)
+    ef_momentum : float or None (default: None: the preset's, else 0.0)
         Deep Gradient Compression momentum correction of the clients' error feedback, in [0, 1).
     max_norm_ratio : float (default: 5.0)
         Replies whose update norm exceeds this multiple of the round's median are rejected.
@@ -73,6 +91,18 @@ class AppConfig:
         Stop the run after this many rounds in a row without one accepted update (0: never stop).
     target_accuracy : float (default: 0.0)
         End the run early once the global model reaches this accuracy (0: run every round).
+    strategy : str (default: "fedavg")
+        How updates are aggregated. ``fedavg``: Flower's FedAvg, or StreamingFedAvg with ``codec``.
+        ``median`` / ``trimmed-mean``: Flower's FedMedian / FedTrimmedAvg (β = 0.2), over decoded replies
+        (:class:`fedge.server.DecodingStrategy`) with ``codec`` -- sparse codecs starve them.
+        ``sparse-median``, ``sparse-trimmed-mean``, ``sparse-clipped-mean``: robust rules over the clients
+        that sent each coordinate, with norm clipping (:class:`fedge.server.RobustStreamingFedAvg`); need
+        ``codec``.
+    attack : str (default: "")
+        Simulated model poisoning by a fraction of the clients (:mod:`fedge.app.attacks`): ``sign-flip``,
+        ``scale`` (×10) or ``noise``; empty: every client is honest.
+    attackers : float (default: 0.2)
+        Fraction of the clients that attack, in [0, 1]; needs ``attack``.
     """
 
     rounds: int = 30
@@ -86,22 +116,33 @@ class AppConfig:
     task_args: dict[str, Any] = field(default_factory=dict)
     out_dir: str = ""
     min_nodes: int = 1
-    codec: str = ""
-    downlink_codec: str = ""
+    compress: str = ""
+    codec: str | None = None
+    downlink_codec: str | None = None
     full_model_codec: str = "fp16"
     server_optimizer: str = "avg"
-    server_lr: float = 1.0
+    server_lr: float | None = None
     server_momentum: float = 0.9
-    ef_momentum: float = 0.0
+    ef_momentum: float | None = None
     max_norm_ratio: float = 5.0
     max_failed_rounds: int = 3
     target_accuracy: float = 0.0
+    strategy: str = "fedavg"
+    attack: str = ""
+    attackers: float = 0.2
 
     # Flower's key for the number of rounds differs from the field name.
     _RUN_CONFIG_KEYS: ClassVar[dict[str, str]] = {"rounds": "num-server-rounds"}
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.compress and self.compress not in PRESETS:
+            names = ", ".join(PRESETS)
+            raise ConfigError(f"unknown compress preset {self.compress!r}; choose one of: {names}")
+        preset = PRESETS.get(self.compress, {})
+        for key, default in _PRESET_DEFAULTS.items():  # unset: the preset's value, else the default
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, preset.get(key, default))
         checks = [
             (self.rounds >= 1, "rounds must be >= 1"),
             (0.0 < self.fraction_train <= 1.0, "fraction_train must be in (0, 1]"),
@@ -124,6 +165,24 @@ class AppConfig:
                 "task_args must hold only strings, numbers, booleans, lists and tables"
             ) from None
         self._check_compression()
+        self._check_robustness()
+
+    def _check_robustness(self) -> None:
+        """Strategy and attack settings."""
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+        if self.strategy.startswith("sparse-") and not self.codec:
+            plain = self.strategy.removeprefix("sparse-").replace("clipped-mean", "fedavg")
+            raise ConfigError(
+                f"strategy {self.strategy!r} aggregates compressed updates: set compress (e.g. 'strong') "
+                f"or codec, or use strategy {plain!r} for dense updates"
+            )
+        if self.attack and self.attack not in ATTACKS:
+            raise ConfigError(f"unknown attack {self.attack!r}; choose one of: {', '.join(ATTACKS)}")
+        if not 0.0 <= self.attackers <= 1.0:
+            raise ConfigError(f"attackers is a fraction of the clients, in [0, 1]; got {self.attackers}")
+        if not self.attack and self.attackers != 0.2:
+            raise ConfigError("attackers needs attack (sign-flip, scale or noise)")
 
     def _check_compression(self) -> None:
         """Compression settings: valid specs, and none of them without an uplink codec."""

@@ -8,18 +8,30 @@ in :func:`fedge.server.runner.run_rounds`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg, Strategy
+from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Strategy
 
 from fedge.app.config import AppConfig
 from fedge.app.task import prepare_task
 from fedge.reporting.history import RoundListener, RunHistory
-from fedge.server import CompressionConfig, DownlinkConfig, ReplyScreen, ServerOptimizer, StreamingFedAvg
+from fedge.server import (
+    CompressionConfig,
+    DecodingStrategy,
+    DownlinkConfig,
+    ReplyScreen,
+    RobustConfig,
+    RobustStreamingFedAvg,
+    ServerOptimizer,
+    StreamingFedAvg,
+)
 from fedge.server.runner import FederatedRun, ResumePoint, RoundEnd, run_rounds
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "app",
@@ -53,7 +65,7 @@ def make_server_app(config: AppConfig | None = None, listeners: Iterable[RoundLi
 
 def train_config_record(config: AppConfig) -> ConfigRecord:
     """What every client needs to train: the task, its data split and the local hyper-parameters."""
-    return ConfigRecord(
+    record = ConfigRecord(
         {
             "task": config.task,
             "task-args": config.task_args_json,
@@ -64,6 +76,10 @@ def train_config_record(config: AppConfig) -> ConfigRecord:
             "batch-size": config.batch_size,
         }
     )
+    if config.attack:  # simulated poisoning (fedge.app.attacks); honest runs send no attack keys
+        record["attack"] = config.attack
+        record["attackers"] = config.attackers
+    return record
 
 
 def build_strategy(config: AppConfig) -> Strategy:
@@ -71,6 +87,8 @@ def build_strategy(config: AppConfig) -> Strategy:
 
     Dense FedAvg (Flower's) unless ``config.codec`` asks for compressed updates, then
     :class:`StreamingFedAvg` with the configured downloads, server optimizer and screening.
+    ``config.strategy`` swaps the rule: Flower's FedMedian / FedTrimmedAvg (wrapped in
+    :class:`DecodingStrategy` with a codec), or :class:`RobustStreamingFedAvg`'s sparse-aware rules.
     """
     sampling = {
         "fraction_train": config.fraction_train,
@@ -78,8 +96,14 @@ def build_strategy(config: AppConfig) -> Strategy:
         "min_train_nodes": 1,
         "min_available_nodes": config.min_nodes,
     }
+    robust_rules = {
+        "sparse-median": "median",
+        "sparse-trimmed-mean": "trimmed-mean",
+        "sparse-clipped-mean": "mean",
+    }
+    flower = {"median": FedMedian, "trimmed-mean": FedTrimmedAvg}.get(config.strategy, FedAvg)(**sampling)
     if not config.codec:
-        return FedAvg(**sampling)
+        return flower
     downlink = None
     if config.downlink_codec:
         downlink = DownlinkConfig(codec=config.downlink_codec, full_model=config.full_model_codec)
@@ -92,6 +116,14 @@ def build_strategy(config: AppConfig) -> Strategy:
     optimizer = ServerOptimizer(
         config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum
     )
+    if config.strategy in ("median", "trimmed-mean"):  # Flower's dense rules over decoded replies
+        if config.server_optimizer != "avg" or config.server_lr != 1.0:
+            log.warning("strategy %s: the server optimizer settings do not apply", config.strategy)
+        return DecodingStrategy(flower, compression)
+    if config.strategy in robust_rules:
+        return RobustStreamingFedAvg(
+            compression, optimizer, RobustConfig(rule=robust_rules[config.strategy]), **sampling
+        )
     return StreamingFedAvg(compression, optimizer, **sampling)
 
 

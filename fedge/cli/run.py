@@ -39,11 +39,37 @@ def simulate(
     alpha: float | None = typer.Option(
         None, help="Dirichlet concentration of the label split [default: 0.5]."
     ),
+    compress: str | None = typer.Option(
+        None,
+        help="Compression preset: light, strong or max (codec, downlink, server lr and EF momentum together; "
+        "flags below override its parts).",
+    ),
     codec: str | None = typer.Option(
         None, help="Compress client updates with this codec spec, e.g. 'topk:0.01+int8' [default: dense]."
     ),
     downlink_codec: str | None = typer.Option(
         None, help="Send the model as a compressed delta with this codec spec (needs --codec)."
+    ),
+    server_lr: float | None = typer.Option(
+        None, help="Server learning rate on the averaged update (needs --codec) [default: 1.0]."
+    ),
+    server_optimizer: str | None = typer.Option(
+        None, help="Server optimizer: avg, avgm or adam (needs --codec) [default: avg]."
+    ),
+    ef_momentum: float | None = typer.Option(
+        None,
+        help="Momentum correction of the clients' error feedback, in [0, 1) (needs --codec) [default: 0].",
+    ),
+    strategy: str | None = typer.Option(
+        None,
+        help="Aggregation: fedavg, median, trimmed-mean (Flower's), or with --codec sparse-median, "
+        "sparse-trimmed-mean, sparse-clipped-mean (robust over the clients that sent) [default: fedavg].",
+    ),
+    attack: str | None = typer.Option(
+        None, help="Simulated poisoning clients: sign-flip, scale (x10) or noise [default: none]."
+    ),
+    attackers: float | None = typer.Option(
+        None, help="Fraction of the clients that attack (needs --attack) [default: 0.2]."
     ),
     config: Path | None = typer.Option(
         None, "--config", help="TOML file with flat keys (clients, rounds, ...) and a [task] table."
@@ -69,8 +95,15 @@ def simulate(
         "workers": workers,
         "task": task,
         "alpha": alpha,
+        "compress": compress,
         "codec": codec,
         "downlink_codec": downlink_codec,
+        "server_lr": server_lr,
+        "server_optimizer": server_optimizer,
+        "ef_momentum": ef_momentum,
+        "strategy": strategy,
+        "attack": attack,
+        "attackers": attackers,
         "out_dir": str(out),
     }
     flags = {key: value for key, value in flags.items() if value is not None}
@@ -92,6 +125,9 @@ def simulate(
     for direction, spec in (("uplink", sim.app.codec), ("downlink", sim.app.downlink_codec)):
         if spec:  # what each tensor of this model gets, and whether it pays off at all
             console.print(f"{direction}: {_codec_policy(spec, task.task.model())}", highlight=False)
+    if sim.app.strategy != "fedavg" or sim.app.attack:
+        attack = f", attack {sim.app.attack} by {sim.app.attackers:.0%} of the clients"
+        console.print(f"strategy {sim.app.strategy}{attack if sim.app.attack else ''}", highlight=False)
     completed: list[int] = []
     try:
         with RoundProgress(sim.app.rounds, console) as progress:

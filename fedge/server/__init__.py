@@ -4,6 +4,7 @@ from fedge.server.channel import CompressedChannel, CompressionConfig, RoundRepo
 from fedge.server.decoding import DecodingStrategy
 from fedge.server.downlink import DownlinkConfig, ModelBroadcast
 from fedge.server.optimizers import ServerOptimizer
+from fedge.server.robust import RobustConfig, RobustStreamingFedAvg
 from fedge.server.screening import ReplyScreen
 from fedge.server.streaming import StreamingFedAvg
 
@@ -14,6 +15,8 @@ __all__ = [
     "DownlinkConfig",
     "ModelBroadcast",
     "ReplyScreen",
+    "RobustConfig",
+    "RobustStreamingFedAvg",
     "RoundReport",
     "ServerOptimizer",
     "StreamingFedAvg",

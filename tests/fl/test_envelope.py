@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -100,10 +101,8 @@ def test_non_finite_metrics_survive() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_garbage_raises_only_envelope_errors(tail: bytes) -> None:
-    try:
+    with contextlib.suppress(EnvelopeError):  # anything else fails the test
         decode_content(b"\xfe" + tail)
-    except EnvelopeError:
-        pass
 
 
 @settings(max_examples=200, deadline=None)

@@ -55,3 +55,45 @@ def test_bad_codec_flag_is_one_line_not_a_traceback():
     result = runner.invoke(app, ["simulate", "--codec", "topk:x+int8"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == ["error: codec: topk: density must be float, got 'x'"]
+
+
+def test_a_preset_sets_its_parts_together_and_explicit_values_win():
+    from fedge.app.presets import PRESETS
+
+    for name, settings in PRESETS.items():
+        config = AppConfig(compress=name)
+        assert {key: getattr(config, key) for key in settings} == settings
+    tuned = AppConfig.from_table({"compress": "max", "server-lr": 1.5, "ef_momentum": 0.2})
+    assert tuned.server_lr == 1.5 and tuned.ef_momentum == 0.2 and tuned.codec == PRESETS["max"]["codec"]
+    # Flower's run config holds every key; a preset survives the round trip through it.
+    again = AppConfig.from_run_config(AppConfig(compress="strong", seed=3).to_run_config())
+    assert again == AppConfig(compress="strong", seed=3)
+    with pytest.raises(ConfigError, match="unknown compress preset 'huge'; choose one of: light, strong"):
+        AppConfig(compress="huge")
+
+
+def test_keys_may_be_spelled_with_hyphens_as_flower_does_but_not_both_ways(tmp_path):
+    from fedge.simulation.config import SimulationConfig
+
+    path = tmp_path / "run.toml"
+    path.write_text('clients = 3\nserver-lr = 2.0\ncodec = "fp32"\nef-momentum = 0.5\n')
+    sim = SimulationConfig.from_toml(path)
+    assert sim.app.server_lr == 2.0 and sim.app.ef_momentum == 0.5
+    path.write_text('codec = "fp32"\nserver-lr = 2.0\nserver_lr = 3.0\n')
+    with pytest.raises(ConfigError, match="given twice"):
+        SimulationConfig.from_toml(path)
+    with pytest.raises(ConfigError, match="given twice"):
+        AppConfig.from_table({"codec": "fp32", "server-lr": 2.0, "server_lr": 3.0})
+
+
+def test_simulate_with_a_preset_compresses_both_ways(tmp_path):
+    out = tmp_path / "run"
+    args = ["simulate", "--clients", "3", "--rounds", "2", "--compress", "max", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["compress"] == "max" and metrics["config"]["codec"].startswith("stc:")
+    second = metrics["rounds"][1]
+    assert second["accepted"] == 3 and second["compression_ratio"] > 100
+    assert second["bytes_up"] == second["upload_wire_bytes"] < 3 * 1000  # three compact replies
+    assert second["bytes_down"] < 3 * 4 * 71_754 / 10

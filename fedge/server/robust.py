@@ -1,0 +1,422 @@
+"""Robust aggregation of sparse, error-fed updates: median and trimmed mean over the clients that sent.
+
+Flower's ``FedMedian`` and ``FedTrimmedAvg`` (through :class:`fedge.server.DecodingStrategy`) see every
+sparse reply as a dense update that is zero wherever the client sent nothing. With top-k 1 % uploads a
+coordinate is sent by a few clients at most, so the coordinate-wise median of ``n`` values of which most are
+zero is zero almost everywhere, and the model barely moves (digits: 43.7 % after 10 rounds where dense
+FedMedian reaches 86.1 %). An absent coordinate is not a vote for zero: it is "not sent yet", and the
+client's error feedback will send it later.
+
+:class:`RobustStreamingFedAvg` therefore takes each coordinate's order statistic over the clients that
+actually sent it, scales it to the FedAvg step the same replies would make, and bounds every client's
+influence by clipping its update against the round's median norm. The maths is in
+:class:`RobustConfig`; screening, the counted map, downloads and the server optimizer are
+:class:`fedge.server.StreamingFedAvg`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+from fedge.compression import CodecError, decode
+from fedge.protocol.records import arrays_to_record
+from fedge.server.channel import CompressionConfig
+from fedge.server.optimizers import ServerOptimizer, statistics
+from fedge.server.screening import Rejected, ScreenedReply
+from fedge.server.streaming import StreamingFedAvg
+
+__all__ = [
+    "REPUTATION_NODES_KEY",
+    "REPUTATION_VALUES_KEY",
+    "ROBUST_RULES",
+    "RobustConfig",
+    "RobustStreamingFedAvg",
+    "SparseUpdate",
+    "aggregate_sparse",
+    "agreement",
+]
+
+log = logging.getLogger(__name__)
+
+ROBUST_RULES = ("median", "trimmed-mean", "mean")
+
+SparseUpdate = tuple[np.ndarray, np.ndarray]
+"""One client's update as sorted, distinct flat indices into the model and their float32 values."""
+
+REPUTATION_NODES_KEY = "robust/node-ids"
+"""``state_dict`` key: int64 node ids of the reputations (aligned with :data:`REPUTATION_VALUES_KEY`)."""
+REPUTATION_VALUES_KEY = "robust/reputation"
+"""``state_dict`` key: float64 reputation of each node."""
+
+_BLOCK = 1 << 20  # coordinates whose senders are sorted at once: bounds the sort's temporaries
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    """How :class:`RobustStreamingFedAvg` combines a round's accepted updates.
+
+    Let ``d_1 … d_n`` be the round's accepted updates (the clients' sparse, error-fed ``trained − received
+    + residual``, as decoded), flattened over the whole model, and ``S_i = {j : d_ij ≠ 0}`` the coordinates
+    client ``i`` sent. A coordinate counts as sent when its decoded value is nonzero, whatever the record
+    kind: a dense record of a mostly-zero update sends its nonzeros only, and a value quantized to exactly
+    zero is a coordinate not sent.
+
+    1. **Norm clipping.** ``τ = clip_ratio · median_i ‖d_i‖`` (the norms screening measured), and
+       ``d_i ← d_i · min(1, τ / ‖d_i‖)``. No client moves the model more than a typical client does,
+       whatever it scales its update by; with ``clip_ratio = inf`` nothing is clipped. Sign-flipping
+       clients' error-fed updates grow faster than honest ones (what they undo comes back in their own
+       residual), so clipping at the median itself (1.0) also damps them.
+    2. **Agreement (optional, off by default).** With ``min_agreement > −1``:
+       ``a_i = cos(d_i, Σ_{k≠i} d_k)``, kept per node as ``ρ ← memory · ρ + (1 − memory) · a_i`` over the
+       rounds it takes part in; updates of nodes with ``ρ < min_agreement`` are left out of the round
+       (never more than half of them): they are not counted, so their clients fold them back into their
+       residual. ``n`` below counts the updates kept.
+    3. **Senders.** For coordinate ``j``: ``N_j = {i : j ∈ S_i}``, ``c_j = |N_j|``.
+    4. **Robust value over the senders.** ``r_j`` is, over the values ``{d_ij : i ∈ N_j}``,
+
+       * ``median``: their median (the mean of the two middle values when ``c_j`` is even);
+       * ``trimmed-mean``: their mean once the ``⌊trim · c_j⌋`` smallest and as many largest are dropped;
+       * ``mean``: their mean (clipping only; not robust to a minority pulling together).
+
+    5. **FedAvg scale.** ``Δ_j = (c_j / n) · r_j``, zero where nobody sent. If the senders agree
+       (``d_ij = v``), ``Δ_j = c_j · v / n``: exactly the unweighted FedAvg average of the ``n`` updates,
+       which is what error feedback is built around (a coordinate a client did not send stays in its
+       residual, and averaging over all ``n`` keeps ``Σ_t Δ_t`` an unbiased running mean). The median
+       itself, ``r_j``, would instead give a coordinate one client sent the full weight of ``n``.
+    6. **Step.** ``Δ`` goes to the :class:`fedge.server.ServerOptimizer` as StreamingFedAvg's weighted
+       average would (``x ← x + η · Δ`` for ``avg``), so the server learning rate that suits sparse FedAvg
+       suits these rules too.
+
+    Order statistics and the share ``c_j / n`` are unweighted (as in Flower's FedMedian and
+    FedTrimmedAvg): a client claiming many examples gains nothing. With dense codecs every client sends
+    every coordinate (``c_j = n``) and the rules are Flower's coordinate-wise median and trimmed mean of the
+    (clipped) updates. What robustness buys: a coordinate sent by ``c_j`` clients moves by a value of
+    ``N_j``'s honest majority while fewer than half (median) or a ``trim`` fraction (trimmed mean) of its
+    senders are attackers; a coordinate only an attacker sent moves by at most that attacker's
+    clipped value divided by ``n``.
+
+    Memory. Each accepted reply is decoded densely one at a time (one model of float32 scratch) and kept
+    as its nonzeros only: ``8 · Σ_i |S_i|`` bytes (int32 index and float32 value; int64 indices on models
+    over 2³¹ elements), about ``8 · n · k · P`` for top-k density ``k`` over ``P`` parameters (20 clients at
+    top-k 1 %: 1.6 bytes per parameter, under half the model). Senders are then sorted ``2**20``
+    coordinates at a time, which adds about 24 bytes per sent value of that block. Plus the model-sized
+    ``Δ`` (and, with the agreement test, one float64 model-sized sum). Dense codecs make ``|S_i| = P``,
+    i.e. ``8 · n · P``: twice Flower's FedMedian over dense replies. Time: about 2.5 times
+    StreamingFedAvg's aggregation (50 top-k 1 % replies of a 2M-parameter model: 8 s against 3.2 s on a
+    loaded 2-core machine), the dense decode and the sort dominating.
+
+    Measured on digits (20 clients, 4 of them attacking, top-k 1 % + int8 uploads; see
+    ``docs/compressed-training.md``): clipping at the median norm is what keeps sign-flippers in check
+    (the median over a coordinate's ~1.5 senders rarely outvotes them); the agreement test gave no
+    further gain there, and leaves out a few honest clients a round, so it is off by default.
+
+    Parameters
+    ----------
+    rule : str (default: "median")
+        ``"median"``, ``"trimmed-mean"`` or ``"mean"`` (see above).
+    trim : float (default: 0.2)
+        Fraction of each coordinate's senders dropped from each end by ``trimmed-mean``, in [0, 0.5).
+    clip_ratio : float (default: 1.0)
+        Updates are clipped to this multiple of the round's median update norm; > 0, ``inf`` turns
+        clipping off. 1.0 clips half the clients a little every round (what is clipped off is lost to
+        their error feedback: the update counts); on digits it trained as well as 2.0 without attackers
+        and 8 pp better under sign flip.
+    min_agreement : float (default: -1.0)
+        Reputation below which a node's update is left out (step 2); ≤ −1 turns the test off.
+    memory : float (default: 0.5)
+        Weight of a node's past reputation in its running mean, in [0, 1).
+    """
+
+    rule: str = "median"
+    trim: float = 0.2
+    clip_ratio: float = 1.0
+    min_agreement: float = -1.0
+    memory: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.rule not in ROBUST_RULES:
+            raise ValueError(f"robust rule must be one of {', '.join(ROBUST_RULES)}, got {self.rule!r}")
+        if not 0.0 <= self.trim < 0.5:
+            raise ValueError(f"trim must be in [0, 0.5), got {self.trim}")
+        if not 0.0 <= self.memory < 1.0:
+            raise ValueError(f"memory must be in [0, 1), got {self.memory}")
+        if math.isnan(self.min_agreement):
+            raise ValueError("min_agreement must be a number (<= -1: keep every update)")
+        if not self.clip_ratio > 0.0:  # also refuses NaN
+            raise ValueError(f"clip_ratio must be > 0 (inf: no clipping), got {self.clip_ratio}")
+
+
+def aggregate_sparse(
+    updates: Sequence[SparseUpdate], size: int, rule: str = "median", trim: float = 0.2
+) -> np.ndarray:
+    """Steps 3–5 of :class:`RobustConfig`: the robust update ``Δ`` of sparse updates, over their senders.
+
+    Parameters
+    ----------
+    updates : sequence of (indices, values)
+        One per client: distinct flat indices in ``[0, size)`` (sorted, for the memory bound; any order
+        is correct) and the float32 values sent there. Clip them first if wanted.
+    size : int
+        Elements of the flattened model.
+    rule : str (default: "median")
+        ``"median"``, ``"trimmed-mean"`` or ``"mean"``.
+    trim : float (default: 0.2)
+        For ``trimmed-mean``: the fraction of each coordinate's senders dropped from each end.
+
+    Returns
+    -------
+    np.ndarray
+        float32 of ``size`` elements: ``(c_j / n) · r_j``, zero where no client sent.
+    """
+    return _aggregate(updates, size, rule, trim)[0]
+
+
+def _aggregate(updates: Sequence[SparseUpdate], size: int, rule: str, trim: float) -> tuple[np.ndarray, int]:
+    """:func:`aggregate_sparse`, and how many distinct coordinates were sent."""
+    if rule not in ROBUST_RULES:
+        raise ValueError(f"robust rule must be one of {', '.join(ROBUST_RULES)}, got {rule!r}")
+    out = np.zeros(size, dtype=np.float32)
+    n, distinct = len(updates), 0
+    if n == 0:
+        return out, 0
+    updates = [_sorted(indices, values) for indices, values in updates]
+    if any(indices.size and (indices[0] < 0 or indices[-1] >= size) for indices, _ in updates):
+        raise ValueError(f"an update sends a coordinate outside [0, {size})")
+    for start in range(0, size, _BLOCK):
+        stop = min(size, start + _BLOCK)
+        bounds = [np.searchsorted(indices, (start, stop)) for indices, _ in updates]
+        idx = np.concatenate([u[0][lo:hi] for u, (lo, hi) in zip(updates, bounds, strict=True)])
+        if not idx.size:
+            continue
+        val = np.concatenate([u[1][lo:hi] for u, (lo, hi) in zip(updates, bounds, strict=True)])
+        coordinates, estimate = _grouped(idx.astype(np.int64, copy=False), val.astype(np.float32), rule, trim)
+        out[coordinates] = estimate / np.float32(n)
+        distinct += coordinates.size
+    return out, distinct
+
+
+def agreement(updates: Sequence[SparseUpdate], size: int) -> np.ndarray:
+    """Step 2 of :class:`RobustConfig`: each update's cosine with the sum of all the others.
+
+    Parameters
+    ----------
+    updates : sequence of (indices, values)
+        Sparse updates (distinct flat indices in ``[0, size)``, float32 values), clipped already.
+    size : int
+        Elements of the flattened model.
+
+    Returns
+    -------
+    np.ndarray
+        float64, one cosine per update in [-1, 1]; 0 where an update or the others' sum is zero.
+    """
+    updates = [_sorted(indices, values) for indices, values in updates]
+    total = np.zeros(size, dtype=np.float64)
+    for indices, values in updates:
+        total[indices] += values  # distinct indices: fancy += is exact
+    total_sq = float(np.dot(total, total))
+    out = np.zeros(len(updates))
+    for i, (indices, values) in enumerate(updates):
+        own = float(np.dot(values.astype(np.float64), values))
+        cross = float(np.dot(values, total[indices]))
+        others_sq = max(0.0, total_sq - 2.0 * cross + own)
+        if own > 0.0 and others_sq > 0.0:
+            out[i] = min(1.0, max(-1.0, (cross - own) / math.sqrt(own * others_sq)))
+    return out
+
+
+def _agreeing(cosines: np.ndarray, reputation: np.ndarray, threshold: float) -> np.ndarray:
+    """Which updates to keep: reputation ≥ ``threshold``, never leaving out more than half of them."""
+    keep = reputation >= threshold
+    most = len(cosines) // 2
+    if int((~keep).sum()) > most:  # too many disagree for the test to mean much: drop only the worst half
+        keep = np.ones(len(cosines), dtype=bool)
+        keep[np.argsort(reputation, kind="stable")[:most]] = False
+    return keep
+
+
+def _sorted(indices: np.ndarray, values: np.ndarray) -> SparseUpdate:
+    """The update with its indices ascending (the decoder's order already; hand-made ones may not be)."""
+    indices, values = np.asarray(indices).reshape(-1), np.asarray(values, dtype=np.float32).reshape(-1)
+    if indices.shape != values.shape:
+        raise ValueError(f"{indices.size} indices but {values.size} values")
+    if indices.size > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+        order = np.argsort(indices, kind="stable")
+        indices, values = indices[order], values[order]
+        if bool(np.any(indices[1:] == indices[:-1])):
+            raise ValueError("an update sends a coordinate twice")
+    return indices, values
+
+
+def _grouped(idx: np.ndarray, val: np.ndarray, rule: str, trim: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per distinct index: ``c_j · r_j`` (the robust value times its sender count)."""
+    if rule == "mean":
+        coordinates, inverse = np.unique(idx, return_inverse=True)
+        sums = np.bincount(inverse, weights=val, minlength=coordinates.size)
+        return coordinates, sums.astype(np.float32)
+    order = np.lexsort((val, idx))  # by coordinate, then by value
+    idx, val = idx[order], val[order]
+    del order
+    starts = np.flatnonzero(np.concatenate(([True], idx[1:] != idx[:-1])))
+    counts = np.diff(np.append(starts, idx.size))
+    if rule == "median":
+        lower, upper = val[starts + (counts - 1) // 2], val[starts + counts // 2]
+        robust = 0.5 * (lower.astype(np.float64) + upper)
+    else:
+        cut = np.floor(trim * counts).astype(np.int64)
+        cumulative = np.concatenate(([0.0], np.cumsum(val, dtype=np.float64)))
+        robust = (cumulative[starts + counts - cut] - cumulative[starts + cut]) / (counts - 2 * cut)
+    return idx[starts], (robust * counts).astype(np.float32)
+
+
+class RobustStreamingFedAvg(StreamingFedAvg):
+    """StreamingFedAvg with a sparse-aware robust rule in place of the weighted average.
+
+    Screening, the counted map (every reply aggregated is counted, including clipped ones and those
+    the median outvoted on some coordinates; undecodable ones are rejected), compressed downloads,
+    the server optimizer and ``state_dict`` are :class:`fedge.server.StreamingFedAvg`'s. See
+    :class:`RobustConfig` for the rules and their memory cost.
+
+    Parameters
+    ----------
+    compression : CompressionConfig or None (default: None)
+        Uplink codec, error-feedback momentum, compressed downloads and reply screening.
+    optimizer : ServerOptimizer or None (default: None)
+        How ``Δ`` moves the model; None is ``ServerOptimizer("avg")``.
+    robust : RobustConfig or None (default: None)
+        The rule, trimming, clipping and agreement test; None is ``RobustConfig()`` (median, clipping at
+        the median norm).
+    **kwargs
+        Sampling and metrics arguments of :class:`fedge.server.StreamingFedAvg`.
+    """
+
+    def __init__(
+        self,
+        compression: CompressionConfig | None = None,
+        optimizer: ServerOptimizer | None = None,
+        robust: RobustConfig | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(compression, optimizer, **kwargs)
+        self.robust = robust or RobustConfig()
+        self._extras: dict[int, dict[str, float]] = {}
+        self.reputation: dict[int, float] = {}  # node -> running mean of its updates' agreement
+
+    def summary(self) -> None:
+        """Log the configuration."""
+        log.info(
+            "RobustStreamingFedAvg: %s over senders (trim %s), clipping at %s x the median norm",
+            self.robust.rule,
+            self.robust.trim,
+            self.robust.clip_ratio,
+        )
+        super().summary()
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Screen the replies, clip them, take the robust value of each coordinate over its senders, step."""
+        if self._model is None:
+            raise RuntimeError("aggregate_train called before configure_train")
+        shapes = {name: array.shape for name, array in self._model.items()}
+        accepted = self.channel.receive(server_round, replies, shapes)
+        if not accepted:
+            log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
+            return None, None
+        limit = self.robust.clip_ratio * float(np.median([reply.norm for reply in accepted]))
+        updates, aggregated, clipped = [], [], 0
+        for reply in accepted:
+            scale = min(1.0, limit / reply.norm) if reply.norm > 0 and math.isfinite(limit) else 1.0
+            try:
+                updates.append(self._sparse(reply, scale))
+            except CodecError as err:  # validated while screening; this guards the invariant, not the input
+                self.channel.reject(server_round, reply.node_id, Rejected("undecodable", str(err)))
+                continue
+            clipped += scale < 1.0
+            aggregated.append(reply)
+        size = sum(array.size for array in self._model.values())
+        keep = self._keep(updates, [reply.node_id for reply in aggregated], size)
+        updates = [update for update, kept in zip(updates, keep, strict=True) if kept]
+        left_out = len(aggregated) - len(updates)
+        aggregated = [reply for reply, kept in zip(aggregated, keep, strict=True) if kept]
+        if not aggregated:
+            return None, None
+        delta, sent = _aggregate(updates, size, self.robust.rule, self.robust.trim)
+        senders = sum(indices.size for indices, _ in updates)
+        del updates
+        running, offset = {}, 0
+        for name, array in self._model.items():
+            running[name] = delta[offset : offset + array.size].reshape(array.shape)
+            offset += array.size
+        self.optimizer.step(self._model, running, averaged=statistics(self._dtypes))
+        del running, delta
+        self.channel.count(server_round, [reply.node_id for reply in aggregated])
+        self._extras[server_round] = {
+            "clipped": clipped,
+            "left_out": left_out,
+            "senders_per_coordinate": senders / sent if sent else 0.0,
+        }
+        metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
+        return arrays_to_record(self._model, self._dtypes), metrics
+
+    def _keep(self, updates: list[SparseUpdate], nodes: list[int], size: int) -> list[bool]:
+        """Update the nodes' reputations with this round's agreement; which updates to aggregate."""
+        robust = self.robust
+        if robust.min_agreement <= -1.0:
+            return [True] * len(updates)
+        cosines = agreement(updates, size) if len(updates) >= 3 else np.zeros(len(updates))
+        for node, cosine in zip(nodes, cosines, strict=True):
+            previous = self.reputation.get(node, 0.0)
+            self.reputation[node] = robust.memory * previous + (1.0 - robust.memory) * float(cosine)
+        if len(updates) < 3:
+            return [True] * len(updates)
+        scores = np.array([self.reputation[node] for node in nodes])
+        return [bool(k) for k in _agreeing(cosines, scores, robust.min_agreement)]
+
+    def _sparse(self, reply: ScreenedReply, scale: float) -> SparseUpdate:
+        """The reply's nonzeros over the flattened model, times ``scale``: one dense decode at a time."""
+        assert self._model is not None
+        size = sum(array.size for array in self._model.values())
+        decoded = decode(reply.payload, max_elements=size)
+        index_dtype = np.int32 if size < 2**31 else np.int64
+        indices, values, offset = [], [], 0
+        for name, array in self._model.items():  # screening checked the names and shapes
+            flat = decoded.pop(name).reshape(-1)
+            nonzero = np.flatnonzero(flat)
+            indices.append((nonzero + offset).astype(index_dtype))
+            chosen = flat[nonzero]
+            if scale != 1.0:
+                chosen *= np.float32(scale)
+            values.append(chosen)
+            offset += array.size
+        return np.concatenate(indices), np.concatenate(values)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """StreamingFedAvg's state (optimizer, counted map) plus the nodes' reputations
+        (:data:`REPUTATION_NODES_KEY`, :data:`REPUTATION_VALUES_KEY`)."""
+        nodes = sorted(self.reputation)
+        return super().state_dict() | {
+            REPUTATION_NODES_KEY: np.array(nodes, dtype=np.int64),
+            REPUTATION_VALUES_KEY: np.array([self.reputation[n] for n in nodes], dtype=np.float64),
+        }
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_dict` (a checkpoint without reputations starts every node at 0)."""
+        ours = (REPUTATION_NODES_KEY, REPUTATION_VALUES_KEY)
+        super().load_state_dict({k: v for k, v in state.items() if k not in ours})
+        nodes = np.asarray(state.get(REPUTATION_NODES_KEY, np.zeros(0, np.int64))).reshape(-1)
+        values = np.asarray(state.get(REPUTATION_VALUES_KEY, np.zeros(0))).reshape(-1)
+        if nodes.shape != values.shape:
+            raise ValueError(f"reputations: {nodes.size} node ids but {values.size} values")
+        self.reputation = {int(n): float(v) for n, v in zip(nodes, values, strict=True)}
+
+    def round_metrics(self, server_round: int) -> dict[str, float]:
+        """StreamingFedAvg's figures, plus ``clipped`` (updates scaled down) and ``senders_per_coordinate``
+        (mean number of clients that sent each coordinate some client sent)."""
+        return super().round_metrics(server_round) | self._extras.get(server_round, {})
