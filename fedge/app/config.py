@@ -18,6 +18,7 @@ from fedge.app.attacks import ATTACKS
 from fedge.app.presets import PRESETS
 from fedge.compression import CodecConfigError, build_codec
 from fedge.config import ConfigError, check_types, from_table
+from fedge.server.budget import UploadBudget
 from fedge.server.downlink import FULL_MODEL_CODECS
 from fedge.server.optimizers import OPTIMIZERS
 
@@ -91,6 +92,11 @@ class AppConfig:
         Stop the run after this many rounds in a row without one accepted update (0: never stop).
     target_accuracy : float (default: 0.0)
         End the run early once the global model reaches this accuracy (0: run every round).
+    upload_budget : dict (default: {})
+        Per-client uplink codecs sized so each upload fits a deadline, from the client's link where the
+        Grid knows it (the simulated clock): the fields of :class:`fedge.server.budget.UploadBudget`
+        (``deadline_s`` required), an ``[upload_budget]`` table in TOML. Needs ``codec``, the codec of
+        clients whose link is unknown. Empty: every client gets ``codec``.
     strategy : str (default: "fedavg")
         How updates are aggregated. ``fedavg``: Flower's FedAvg, or StreamingFedAvg with ``codec``.
         ``median`` / ``trimmed-mean``: Flower's FedMedian / FedTrimmedAvg (β = 0.2), over decoded replies
@@ -127,6 +133,7 @@ class AppConfig:
     max_norm_ratio: float = 5.0
     max_failed_rounds: int = 3
     target_accuracy: float = 0.0
+    upload_budget: dict[str, Any] = field(default_factory=dict)
     strategy: str = "fedavg"
     attack: str = ""
     attackers: float = 0.2
@@ -165,6 +172,10 @@ class AppConfig:
                 "task_args must hold only strings, numbers, booleans, lists and tables"
             ) from None
         self._check_compression()
+        if self.upload_budget:
+            if not self.codec:
+                raise ConfigError("upload_budget needs codec (the codec of clients whose link is unknown)")
+            from_table(UploadBudget, self.upload_budget, where="upload_budget")
         self._check_robustness()
 
     def _check_robustness(self) -> None:
@@ -243,11 +254,12 @@ class AppConfig:
             key = cls._RUN_CONFIG_KEYS.get(f.name, f.name.replace("_", "-"))
             if key in run_config:
                 values[f.name] = run_config[key]
-        if isinstance(values.get("task_args"), str):  # Flower's run config is flat: the args travel as JSON
-            try:
-                values["task_args"] = json.loads(values["task_args"] or "{}")
-            except ValueError as err:
-                raise ConfigError(f"task-args is not JSON: {err}") from None
+        for name in ("task_args", "upload_budget"):  # Flower's run config is flat: tables travel as JSON
+            if isinstance(values.get(name), str):
+                try:
+                    values[name] = json.loads(values[name] or "{}")
+                except ValueError as err:
+                    raise ConfigError(f"{name.replace('_', '-')} is not JSON: {err}") from None
         return cls.from_table(values)
 
     def to_run_config(self) -> dict[str, bool | int | float | str]:
@@ -257,4 +269,5 @@ class AppConfig:
             for f in dataclasses.fields(self)
         }
         flat["task-args"] = self.task_args_json
+        flat["upload-budget"] = json.dumps(self.upload_budget, sort_keys=True)
         return flat

@@ -18,6 +18,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Strategy
 
 from fedge.app.config import AppConfig
 from fedge.app.task import prepare_task
+from fedge.config import from_table
 from fedge.reporting.history import RoundListener, RunHistory
 from fedge.server import (
     CompressionConfig,
@@ -29,6 +30,7 @@ from fedge.server import (
     ServerOptimizer,
     StreamingFedAvg,
 )
+from fedge.server.budget import UploadBudget
 from fedge.server.runner import FederatedRun, ResumePoint, RoundEnd, run_rounds
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,7 @@ def build_strategy(config: AppConfig) -> Strategy:
         ef_momentum=config.ef_momentum,
         downlink=downlink,
         screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio),
+        budget=from_table(UploadBudget, config.upload_budget) if config.upload_budget else None,
     )
     optimizer = ServerOptimizer(
         config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum

@@ -1,5 +1,6 @@
 """Coordinator side: strategies, aggregation, checkpoints, the coordinator service."""
 
+from fedge.server.budget import UploadBudget
 from fedge.server.channel import CompressedChannel, CompressionConfig, RoundReport
 from fedge.server.decoding import DecodingStrategy
 from fedge.server.downlink import DownlinkConfig, ModelBroadcast
@@ -20,4 +21,5 @@ __all__ = [
     "RoundReport",
     "ServerOptimizer",
     "StreamingFedAvg",
+    "UploadBudget",
 ]

@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from fedge.compression import CodecConfigError, Schema, build_codec
+from fedge.compression import Codec, CodecConfigError, Schema, build_codec
 from fedge.protocol.envelope import wire_size
 from fedge.protocol.records import INSTRUCTION_KEY, NOT_COUNTED, UPDATE_KEY, Instruction, arrays_to_record
+from fedge.server.budget import UploadBudget
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
 from fedge.server.screening import (
     REJECTION_REASONS,
@@ -89,12 +90,17 @@ class CompressionConfig:
         Compressed downloads; None sends the global model as Flower does, a dense ArrayRecord.
     screen : ReplyScreen (default: ReplyScreen())
         Rejection of suspicious replies.
+    budget : UploadBudget or None (default: None)
+        Per-client codecs chosen from each client's link so its upload fits the deadline, for nodes whose
+        link the Grid knows (``node_links()``, the simulated clock's Grid); the others get
+        ``budget.default_codec`` or, if None, ``codec``. None: ``codec`` for everyone.
     """
 
     codec: str = "topk:0.01+int8"
     ef_momentum: float = 0.0
     downlink: DownlinkConfig | None = None
     screen: ReplyScreen = field(default_factory=ReplyScreen)
+    budget: UploadBudget | None = None
 
     def __post_init__(self) -> None:
         build_codec(self.codec)
@@ -172,9 +178,10 @@ class CompressedChannel:
         self.discarded: dict[int, int] = {}  # node -> version of its last update screening refused as bad
         self._sent: dict[int, tuple[int, Download | None]] = {}  # node -> (version, download) this round
         self._codec = build_codec(config.codec)
-        self._schema: Schema | None = (
-            None  # the round's payload schema: replies bound to it drop their header
-        )
+        # The round's payload schema: replies bound to it leave their header out.
+        self._schema: Schema | None = None
+        self._codecs: dict[str, Codec] = {config.codec: self._codec}  # per-node codecs, by spec
+        self._node_schemas: dict[int, Schema] = {}  # node -> schema of the codec it was sent this round
         self._dtypes: dict[str, str] = {}
         self._dense_sizes: dict[int, int] = {}  # schema digest -> wire bytes of a dense reply
         self._evaluated: dict[int, tuple[int, Download]] = {}  # node -> (version, download) evaluated
@@ -185,29 +192,41 @@ class CompressedChannel:
         messages: Iterable[Message],
         model: Mapping[str, np.ndarray],
         dtypes: Mapping[str, str],
+        codecs: Mapping[int, str] | None = None,
     ) -> list[Message]:
         """Add the instruction to each train message; replace its ArrayRecord by a compressed download.
 
         ``model`` is the global model (float32) the messages carry; ``dtypes`` its tensors' own dtypes.
+        ``codecs`` gives nodes their own uplink codec spec (:class:`fedge.server.budget.UploadBudget`);
+        nodes not in it, or all when None, get ``config.codec``. Each reply is screened against the
+        schema of the codec its node was sent.
         """
         messages = list(messages)
         report = self.reports[server_round] = RoundReport()
         self._sent.clear()
+        self._node_schemas.clear()
         self._schema = Schema.of(self._codec, model, dtypes)
+        schemas = {self.config.codec: self._schema}  # this round's schema of each codec spec
         self._dtypes = dict(dtypes)
         nodes = [message.metadata.dst_node_id for message in messages]
         downloads = self.broadcast.prepare(server_round, model, nodes, dtypes) if self.broadcast else {}
-        # One content per distinct (original content, download, counted): messages that shared one still
-        # do. Most sampled nodes were counted in the previous round, so few contents are made.
-        contents: dict[tuple[int, int, int, int | None], RecordDict] = {}
+        # One content per distinct (original content, download, counted, codec): messages that shared one
+        # still do. Most sampled nodes were counted in the previous round, so few contents are made.
+        contents: dict[tuple[int, int, int, int | None, str], RecordDict] = {}
         for message, node in zip(messages, nodes, strict=True):
             download = downloads.get(node)
             counted, discarded = self.counted.get(node, NOT_COUNTED), self.discarded.get(node)
             self._sent[node] = (server_round, download)
-            key = (id(message.content), id(download), counted, discarded)
+            codec = (codecs or {}).get(node, self.config.codec)
+            if codec not in schemas:
+                if codec not in self._codecs:
+                    self._codecs[codec] = build_codec(codec)
+                schemas[codec] = Schema.of(self._codecs[codec], model, dtypes)
+            self._node_schemas[node] = schemas[codec]
+            key = (id(message.content), id(download), counted, discarded, codec)
             if key not in contents:
                 contents[key] = self._content(
-                    message.content, server_round, download, dtypes, counted, discarded
+                    message.content, server_round, download, dtypes, counted, discarded, codec, schemas[codec]
                 )
             message.content = contents[key]
             if download is not None:
@@ -267,19 +286,23 @@ class CompressedChannel:
         dtypes: Mapping[str, str],
         counted: int | None,
         discarded: int | None = None,
+        codec: str | None = None,
+        schema: Schema | None = None,
     ) -> RecordDict:
         array_keys = [key for key, value in content.items() if isinstance(value, ArrayRecord)]
         if len(array_keys) != 1:
             raise ValueError(f"a train message must carry one ArrayRecord, found {len(array_keys)}")
+        if codec is None:  # the common case: the strategy's codec and the round's schema
+            codec, schema = self.config.codec, self._schema
         instruction = Instruction(
-            codec=self.config.codec,
+            codec=codec,
             version=version,
             ef_momentum=self.config.ef_momentum,
             arrays_key=array_keys[0],
             grid=self.config.downlink.grid if self.config.downlink else "fp32",
             counted=counted,
             discarded=discarded,
-            schema=self._schema.digest if self._schema is not None else None,
+            schema=schema.digest if schema is not None else None,
         )
         out = RecordDict(dict(content.items()))
         if download is not None:
@@ -321,7 +344,7 @@ class CompressedChannel:
                     version=version,
                     weighted_by_key=self.weighted_by_key,
                     shapes=shapes,
-                    schema=self._schema,
+                    schema=self._node_schemas.get(node, self._schema),
                 )
             except Rejected as rejection:
                 self.reject(server_round, node, rejection)
@@ -359,7 +382,8 @@ class CompressedChannel:
         ArrayRecord named ``arrays``), measured once per model schema.
 
         Tensor by tensor, so measuring costs the memory of the largest tensor, not of the model; the sum
-        counts some length prefixes once per tensor (24 bytes too many on the 288 kB digits CNN).
+        counts some length prefixes once per tensor (24 bytes too many on the 288 kB digits CNN). Keyed by
+        the strategy's codec's schema whatever each node's codec: a dense reply does not depend on it.
         """
         key = self._schema.digest if self._schema is not None else -1
         if key not in self._dense_sizes:

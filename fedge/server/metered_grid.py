@@ -9,6 +9,7 @@ from typing import Any
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
+from fedge.devices.fleet import LinkProfile
 from fedge.flower.compat import Run
 from fedge.flower.grid import RunGrid
 from fedge.protocol.envelope import wire_size
@@ -62,6 +63,12 @@ class MeteredGrid(RunGrid):
         if callable(take_round):
             traffic.clock = take_round()
         return traffic
+
+    def node_links(self) -> dict[int, LinkProfile]:
+        """The inner Grid's node links (:meth:`fedge.simulation.clock_grid.ClockGrid.node_links`); empty
+        when it knows none (real fleets over MQTT)."""
+        node_links = getattr(self._grid, "node_links", None)
+        return dict(node_links()) if callable(node_links) else {}
 
     def set_run(self, run: Run) -> None:
         self._grid.set_run(run)

@@ -122,11 +122,24 @@ class StreamingFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample nodes as FedAvg does; send each the instruction and the model, dense or compressed."""
+        """Sample nodes as FedAvg does; send each the instruction and the model, dense or compressed.
+
+        With ``compression.budget``, each node's uplink codec is chosen from its link, which a Grid that
+        knows links reports by ``node_links()`` (the simulated clock's Grid, and the metering Grid
+        wrapping it). A Grid without it (MQTT: agents do not report their link yet) leaves every node
+        unknown, so every node gets the budget's ``default_codec`` (or ``compression.codec``).
+        """
         if self._model is None:
             self._model, self._dtypes = record_to_arrays(arrays)
-        messages = super().configure_train(server_round, arrays, config, grid)
-        return self.channel.instruct(server_round, messages, self._model, self._dtypes)
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        codecs = None
+        if self.compression.budget is not None:
+            node_links = getattr(grid, "node_links", None)
+            links = node_links() if callable(node_links) else {}
+            sampled = {m.metadata.dst_node_id: links.get(m.metadata.dst_node_id) for m in messages}
+            size = sum(array.size for array in self._model.values())
+            codecs = self.compression.budget.codecs(sampled, size)
+        return self.channel.instruct(server_round, messages, self._model, self._dtypes, codecs)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -30,7 +30,7 @@ from flwr.serverapp import Grid
 
 from fedge.config import ConfigError, check_types
 from fedge.devices.clock import ClientTiming, select_replies, time_client
-from fedge.devices.fleet import ClientProfile
+from fedge.devices.fleet import ClientProfile, LinkProfile
 from fedge.devices.traces import AvailabilityTrace
 from fedge.flower.compat import Run
 from fedge.flower.grid import RunGrid
@@ -181,6 +181,10 @@ class ClockGrid(RunGrid):
             return self._schedule_round(messages, replies)
         finally:
             self._sizes.clear()
+
+    def node_links(self) -> dict[int, LinkProfile]:
+        """Every node's link (from its client's profile), for strategies that budget uploads per client."""
+        return {node: self._profiles[client].link for node, client in self._client_of.items()}
 
     def take_round(self) -> dict[str, Any]:
         """The last round's simulated time and timeline (for the round's metrics), then reset."""

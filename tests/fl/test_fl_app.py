@@ -97,3 +97,19 @@ def test_simulate_with_a_preset_compresses_both_ways(tmp_path):
     assert second["accepted"] == 3 and second["compression_ratio"] > 100
     assert second["bytes_up"] == second["upload_wire_bytes"] < 3 * 1000  # three compact replies
     assert second["bytes_down"] < 3 * 4 * 71_754 / 10
+
+
+def test_an_upload_budget_table_reaches_the_strategy_and_survives_flowers_run_config():
+    from fedge.app.server_app import build_strategy
+    from fedge.server import UploadBudget
+
+    config = AppConfig.from_table(
+        {"compress": "strong", "upload-budget": {"deadline_s": 8.0, "max_density": 0.05}}
+    )
+    budget = build_strategy(config).compression.budget
+    assert budget == UploadBudget(deadline_s=8.0, max_density=0.05)
+    assert AppConfig.from_run_config(config.to_run_config()) == config
+    with pytest.raises(ConfigError, match=r"unknown key .upload_budget\.deadline."):
+        AppConfig(codec="fp32", upload_budget={"deadline": 8.0})
+    with pytest.raises(ConfigError, match="upload_budget needs codec"):
+        AppConfig(upload_budget={"deadline_s": 8.0})
