@@ -6,6 +6,9 @@ Commands import their heavy modules (torch, Flower, the transport) when they run
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import typer
 
 from fedge.cli.common import fail
@@ -29,6 +32,10 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """Federated and edge learning for constrained devices."""
+    # A shell starts background jobs with SIGINT ignored and Python leaves it so; every command must still
+    # stop cleanly on Ctrl-C or `kill -INT` (a run keeps its rounds, a service its checkpoint).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 app.command()(simulate)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import pkgutil
-import signal
 import subprocess
 import sys
 import tomllib
@@ -114,9 +113,6 @@ def simulate(
         sim = SimulationConfig.from_toml(config, flags) if config else SimulationConfig.from_mapping(flags)
         load_task(sim.app.task, sim.app.task_args)
     configure_logging(verbose)
-    # A shell starts background jobs with SIGINT ignored and Python leaves it so: Ctrl-C or `kill -INT`
-    # must still stop the run cleanly, keeping the rounds done.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     with config_errors():  # e.g. more clients than the task's data can be split into
         app = sim.app
         task = prepare_task(app.task, app.task_args_json, sim.clients, alpha=app.alpha, seed=app.seed)

@@ -43,9 +43,6 @@ def coordinator(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
-    # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored: Ctrl-C (or a
-    # supervisor's SIGINT) must still stop the service cleanly.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with config_errors():
             history = run_coordinator(settings, resume=resume)
