@@ -16,7 +16,7 @@ of a 5M-parameter model, peak RSS growth during ``aggregate_train`` over the den
 reset through ``/proc/self/clear_refs`` once the replies and the strategy exist).
 
 Run: ``fedge bench fl-compression [--json] [--quick]`` (quick: seed 0, dense and ``max`` only, 12 rounds,
-one attack, 50 replies for the memory figure).
+one attack over 6 rounds, 50 replies for the memory figure).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _attacks(quick: bool) -> dict[str, Any]:
     """Poisoning runs: sparse-aware robust aggregation vs dense FedMedian (:mod:`fedge.bench.fl_attacks`)."""
     from fedge.bench.fl_attacks import attack_runs
 
-    return attack_runs(rounds=10 if quick else 30, seeds=(0,), quick=quick, sparse={"compress": "strong"})
+    return attack_runs(rounds=6 if quick else 30, seeds=(0,), quick=quick, sparse={"compress": "strong"})
 
 
 def _chart(histories: dict) -> Path:
