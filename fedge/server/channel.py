@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -47,8 +46,8 @@ from fedge.protocol.envelope import wire_size
 from fedge.protocol.records import INSTRUCTION_KEY, NOT_COUNTED, UPDATE_KEY, Instruction, arrays_to_record
 from fedge.server.budget import UploadBudget
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
+from fedge.server.report import RoundReport
 from fedge.server.screening import (
-    REJECTION_REASONS,
     Rejected,
     ReplyScreen,
     ScreenedReply,
@@ -106,56 +105,6 @@ class CompressionConfig:
         build_codec(self.codec)
         if not 0.0 <= self.ef_momentum < 1.0:
             raise CodecConfigError(f"ef_momentum must be in [0, 1), got {self.ef_momentum}")
-
-
-@dataclass
-class RoundReport:
-    """One round's compression figures, as the coordinator saw them.
-
-    Parameters
-    ----------
-    accepted : int
-        Train replies aggregated.
-    rejected : Counter
-        Rejected replies by reason (see :data:`fedge.server.screening.REJECTION_REASONS`).
-    wire_bytes, dense_wire_bytes : int
-        Bytes of the accepted replies as fedge's MQTT transport sends them
-        (:func:`fedge.protocol.envelope.wire_size`), and what the same replies would take dense (the model
-        as an ArrayRecord, Flower's protobuf): their ratio is the round's ``compression_ratio``.
-    payload_bytes, dense_bytes : int
-        Codec payload bytes of accepted replies as sent, and the same tensors as dense float32: their ratio
-        is ``payload_compression_ratio``.
-    downloads_delta, downloads_full : int
-        Train messages that carried a compressed delta, or a full model.
-    download_payload_bytes : int
-        Model bytes sent in those messages.
-    """
-
-    accepted: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
-    wire_bytes: int = 0
-    dense_wire_bytes: int = 0
-    payload_bytes: int = 0
-    dense_bytes: int = 0
-    downloads_delta: int = 0
-    downloads_full: int = 0
-    download_payload_bytes: int = 0
-
-    def to_metrics(self) -> dict[str, float]:
-        """Flat numbers for ``RoundMetrics.extra`` and Flower's MetricRecord."""
-        metrics: dict[str, float] = {
-            "accepted": self.accepted,
-            "rejected": sum(self.rejected.values()),
-            "compression_ratio": self.dense_wire_bytes / self.wire_bytes if self.wire_bytes else 0.0,
-            "payload_compression_ratio": self.dense_bytes / self.payload_bytes if self.payload_bytes else 0.0,
-            "upload_wire_bytes": self.wire_bytes,
-            "upload_payload_bytes": self.payload_bytes,
-            "downloads_delta": self.downloads_delta,
-            "downloads_full": self.downloads_full,
-            "download_payload_bytes": self.download_payload_bytes,
-        }
-        metrics.update({f"rejected_{reason}": self.rejected[reason] for reason in REJECTION_REASONS})
-        return metrics
 
 
 class CompressedChannel:
