@@ -128,9 +128,7 @@ class CompressionMod:
         except (ProtocolError, CodecError) as err:
             log.warning("node %s: cannot use the train instruction: %s", context.node_id, err)
             return _error_reply(msg, f"fedge compression: {err}")
-        inner = RecordDict({k: v for k, v in msg.content.items() if k != INSTRUCTION_KEY})
-        inner[instruction.arrays_key] = arrays_to_record(received, dtypes)
-        msg.content = inner
+        _hand_over(msg, instruction, received, dtypes)
         reply = call_next(msg, context)
         if reply.has_error():
             return reply
@@ -158,9 +156,7 @@ class CompressionMod:
         except (ProtocolError, CodecError) as err:
             log.warning("node %s: cannot use the evaluate instruction: %s", context.node_id, err)
             return _error_reply(msg, f"fedge compression: {err}")
-        inner = RecordDict({k: v for k, v in msg.content.items() if k != INSTRUCTION_KEY})
-        inner[instruction.arrays_key] = arrays_to_record(received, dtypes)
-        msg.content = inner
+        _hand_over(msg, instruction, received, dtypes)
         return call_next(msg, context)
 
     def _received_model(
@@ -341,6 +337,15 @@ def _bound(
         log.info("node's model schema differs from the coordinator's; sending a self-describing payload")
         return None
     return bind(payload, schema)
+
+
+def _hand_over(
+    msg: Message, instruction: Instruction, received: dict[str, np.ndarray], dtypes: dict[str, str]
+) -> None:
+    """Make ``msg`` the plain message the app expects: the model as one ArrayRecord, the instruction gone."""
+    inner = RecordDict({k: v for k, v in msg.content.items() if k != INSTRUCTION_KEY})
+    inner[instruction.arrays_key] = arrays_to_record(received, dtypes)
+    msg.content = inner
 
 
 def _error_reply(msg: Message, reason: str) -> Message:

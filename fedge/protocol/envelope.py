@@ -29,6 +29,7 @@ import struct
 
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedge.compression.bits import put_varint
 from fedge.flower.compat import message_to_bytes
 from fedge.protocol.records import UPDATE_KEY
 
@@ -144,7 +145,7 @@ def _encode_envelope(message: Message) -> bytes | None:
     if not isinstance(base, int) or isinstance(base, bool) or base < 0:
         return None
     out = bytearray((ENVELOPE_MAGIC, TRAIN_REPLY))
-    _put_varint(out, base)
+    put_varint(out, base)
     _write_metrics(out, metrics)
     out += payload
     return bytes(out)
@@ -173,24 +174,13 @@ def _write_metrics(out: bytearray, metrics: MetricRecord) -> None:
             out.append(code)
         if isinstance(value, int):
             out.append(_INT)
-            _put_varint(out, (value << 1) ^ (value >> 63))  # zigzag: small negatives stay short
+            put_varint(out, (value << 1) ^ (value >> 63))  # zigzag: small negatives stay short
         elif not math.isfinite(value) or float(_F32_STRUCT.unpack(_F32_STRUCT.pack(value))[0]) == value:
             out.append(_F32)  # NaN and infinities survive float32 too
             out += _F32_STRUCT.pack(value)
         else:
             out.append(_F64)
             out += _F64_STRUCT.pack(value)
-
-
-def _put_varint(out: bytearray, value: int) -> None:
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return
 
 
 # --- decoding ----------------------------------------------------------------------------------------

@@ -179,9 +179,7 @@ class CompressedChannel:
                 )
             message.content = contents[key]
             if download is not None:
-                report.downloads_delta += download.is_delta
-                report.downloads_full += not download.is_delta
-                report.download_payload_bytes += len(download.payload)
+                report.count_download(download.is_delta, len(download.payload))
         return messages
 
     def instruct_evaluate(
@@ -214,9 +212,7 @@ class CompressedChannel:
             if key not in contents:
                 contents[key] = self._content(message.content, version, download, dtypes, counted=None)
             message.content = contents[key]
-            report.downloads_delta += download.is_delta
-            report.downloads_full += not download.is_delta
-            report.download_payload_bytes += len(download.payload)
+            report.count_download(download.is_delta, len(download.payload))
         return messages
 
     def receive_evaluate(self, replies: Iterable[Message]) -> None:

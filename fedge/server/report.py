@@ -43,6 +43,12 @@ class RoundReport:
     downloads_full: int = 0
     download_payload_bytes: int = 0
 
+    def count_download(self, is_delta: bool, nbytes: int) -> None:
+        """One message that carried a compressed model (a delta or a full model) of ``nbytes``."""
+        self.downloads_delta += is_delta
+        self.downloads_full += not is_delta
+        self.download_payload_bytes += nbytes
+
     def to_metrics(self) -> dict[str, float]:
         """Flat numbers for ``RoundMetrics.extra`` and Flower's MetricRecord."""
         metrics: dict[str, float] = {

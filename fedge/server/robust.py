@@ -322,12 +322,8 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Screen the replies, clip them, take the robust value of each coordinate over its senders, step."""
-        if self._model is None:
-            raise RuntimeError("aggregate_train called before configure_train")
-        shapes = {name: array.shape for name, array in self._model.items()}
-        accepted = self.channel.receive(server_round, replies, shapes)
+        accepted = self._screen(server_round, replies)
         if not accepted:
-            log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
             return None, None
         limit = self.robust.clip_ratio * float(np.median([reply.norm for reply in accepted]))
         updates, aggregated, clipped = [], [], 0

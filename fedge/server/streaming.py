@@ -27,7 +27,7 @@ from fedge.compression import CodecError, decode_add
 from fedge.protocol.records import arrays_to_record, record_to_arrays
 from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY, CompressedChannel, CompressionConfig
 from fedge.server.optimizers import ServerOptimizer, statistics
-from fedge.server.screening import Rejected
+from fedge.server.screening import Rejected, ScreenedReply
 
 __all__ = ["StreamingFedAvg"]
 
@@ -145,12 +145,8 @@ class StreamingFedAvg(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Screen the replies, sum the accepted ones in place, take one optimizer step."""
-        if self._model is None:
-            raise RuntimeError("aggregate_train called before configure_train")
-        shapes = {name: array.shape for name, array in self._model.items()}
-        accepted = self.channel.receive(server_round, replies, shapes)
+        accepted = self._screen(server_round, replies)
         if not accepted:
-            log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
             return None, None
         total = sum(reply.weight for reply in accepted)
         size = sum(array.size for array in self._model.values())
@@ -168,6 +164,16 @@ class StreamingFedAvg(FedAvg):
         self.channel.count(server_round, [reply.node_id for reply in aggregated])
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
         return arrays_to_record(self._model, self._dtypes), metrics
+
+    def _screen(self, server_round: int, replies: Iterable[Message]) -> list[ScreenedReply]:
+        """The round's replies that passed screening (logged when there is none)."""
+        if self._model is None:
+            raise RuntimeError("aggregate_train called before configure_train")
+        shapes = {name: array.shape for name, array in self._model.items()}
+        accepted = self.channel.receive(server_round, replies, shapes)
+        if not accepted:
+            log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
+        return accepted
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
