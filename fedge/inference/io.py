@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 
 from fedge.atomic import write_bytes_atomic
 
-__all__ = ["InputError", "fit_to_shape", "read_inputs", "write_predictions"]
+__all__ = ["InputError", "decode_array", "encode_array", "fit_to_shape", "read_inputs", "write_predictions"]
 
 
 class InputError(ValueError):
@@ -58,8 +59,6 @@ def write_predictions(path: str | Path, predictions: np.ndarray, scores: np.ndar
     """Write predictions as ``.npy`` (class per row) or ``.csv`` (``row,prediction[,score]`` lines)."""
     path = Path(path)
     if path.suffix == ".npy":
-        import io
-
         buffer = io.BytesIO()
         np.save(buffer, predictions)
         write_bytes_atomic(path, buffer.getvalue())
@@ -69,3 +68,29 @@ def write_predictions(path: str | Path, predictions: np.ndarray, scores: np.ndar
         lines.append(f"{i},{label}" + (f",{scores[i]:.6g}" if scores is not None else ""))
     write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
     return path
+
+
+def encode_array(array: np.ndarray) -> bytes:
+    """An array as ``.npy`` bytes (the payload of inference requests and answers)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def decode_array(payload: bytes, *, max_bytes: int, max_rows: int) -> np.ndarray:
+    """A numeric array from untrusted ``.npy`` bytes, with caps; :class:`InputError` names what is wrong.
+
+    The payload is size-checked before parsing and pickles are refused, so a request can neither make the
+    device allocate more than ``max_bytes`` nor run code.
+    """
+    if len(payload) > max_bytes:
+        raise InputError(f"request of {len(payload)} bytes exceeds the cap of {max_bytes}")
+    try:
+        array = np.load(io.BytesIO(payload), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:
+        raise InputError(f"request is not a .npy array: {err}") from None
+    if not isinstance(array, np.ndarray) or array.ndim == 0 or not np.issubdtype(array.dtype, np.number):
+        raise InputError("request must be a numeric array with a batch axis")
+    if len(array) > max_rows:
+        raise InputError(f"request batch of {len(array)} rows exceeds the cap of {max_rows}")
+    return array.astype(np.float32, copy=False)

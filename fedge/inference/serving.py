@@ -122,15 +122,25 @@ class ModelServer:
         """The version of the model serving now."""
         return self.current.version
 
+    @property
+    def serving_version(self) -> str:
+        """The version serving now, or ``""`` before the first load (never raises)."""
+        model = self._current
+        return model.version if model is not None else ""
+
     def predict(self, inputs: np.ndarray) -> np.ndarray:
         """Run the current model on a batch and return its first output (e.g. logits)."""
+        return self.predict_versioned(inputs)[0]
+
+    def predict_versioned(self, inputs: np.ndarray) -> tuple[np.ndarray, str]:
+        """:meth:`predict`, with the version of the model that answered."""
         model = self._current  # read once: a concurrent swap does not affect this request
         if model is None:
             raise RuntimeError("no model loaded: call load() or swap() first")
         start = time.perf_counter()
         out = model.session.run(None, {model.input_name: np.ascontiguousarray(inputs, dtype=np.float32)})[0]
         self._latencies.append(time.perf_counter() - start)
-        return out
+        return out, model.version
 
     def classify(self, inputs: np.ndarray) -> np.ndarray:
         """Predicted class per row (argmax of the first output)."""

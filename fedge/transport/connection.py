@@ -24,7 +24,7 @@ from paho.mqtt.properties import Properties
 
 from fedge.transport.config import MqttConfig
 
-__all__ = ["MqttConnection", "Will"]
+__all__ = ["MessageProperties", "MqttConnection", "Will"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,18 @@ _UNSUPPORTED_PROTOCOL = (0x84, 1)  # MQTT 5 reason code, MQTT 3.1.1 CONNACK retu
 _AUTH_FAILURES = (0x86, 0x87, 4, 5)  # bad user name or password / not authorized (v5, v3)
 
 MessageHandler = Callable[[str, bytes], None]
+
+
+@dataclass(frozen=True)
+class MessageProperties:
+    """The MQTT 5 properties a request/response exchange needs (all empty on MQTT 3.1.1)."""
+
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+
+
+PropertiesHandler = Callable[[str, bytes, MessageProperties], None]
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ class MqttConnection:
         self._will = will
         self._on_connected = on_connected
         self._on_disconnected = on_disconnected
-        self._routes: dict[str, MessageHandler] = {}
+        self._routes: dict[str, Callable[[paho.Client, object, paho.MQTTMessage], None]] = {}
         self._connected = threading.Event()
         self._settled = threading.Event()  # first CONNACK arrived, or a refusal that retrying cannot fix
         self._failure: str | None = None
@@ -100,8 +112,25 @@ class MqttConnection:
 
     def route(self, topic_filter: str, handler: MessageHandler) -> None:
         """Subscribe ``topic_filter`` (QoS 1) on every connect and hand its messages to ``handler``."""
-        self._routes[topic_filter] = handler
-        self._client.message_callback_add(topic_filter, self._dispatch(handler))
+        self._add_route(topic_filter, self._dispatch(handler))
+
+    def route_with_properties(self, topic_filter: str, handler: PropertiesHandler) -> None:
+        """Like :meth:`route`, with the message's :class:`MessageProperties` as a third argument."""
+        self._add_route(topic_filter, self._dispatch_with_properties(handler))
+
+    def unroute(self, topic_filter: str) -> None:
+        """Stop a route: unsubscribe and forget its handler (no-op for an unknown filter)."""
+        if self._routes.pop(topic_filter, None) is None:
+            return
+        self._client.message_callback_remove(topic_filter)
+        if self.connected:
+            self._client.unsubscribe(topic_filter)
+
+    def _add_route(
+        self, topic_filter: str, callback: Callable[[paho.Client, object, paho.MQTTMessage], None]
+    ) -> None:
+        self._routes[topic_filter] = callback
+        self._client.message_callback_add(topic_filter, callback)
         if self.connected:
             self._client.subscribe(topic_filter, qos=1)
 
@@ -166,13 +195,32 @@ class MqttConnection:
         raise ConnectionError(f"cannot connect to {self.config.broker_url}: {reason}")
 
     def publish(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, expiry_s: float | None = None
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        expiry_s: float | None = None,
+        message_properties: MessageProperties | None = None,
     ) -> None:
-        """Publish (queued by paho while disconnected); ``expiry_s`` becomes the MQTT 5 message expiry."""
+        """Publish (queued by paho while disconnected).
+
+        ``expiry_s`` becomes the MQTT 5 message expiry; ``message_properties`` the response topic,
+        correlation data and user properties (MQTT 5 only; ignored on 3.1.1).
+        """
         properties = None
-        if expiry_s is not None and self.is_v5:
+        if self.is_v5 and (expiry_s is not None or message_properties is not None):
             properties = Properties(PacketTypes.PUBLISH)
-            properties.MessageExpiryInterval = max(1, int(expiry_s + 0.999))
+            if expiry_s is not None:
+                properties.MessageExpiryInterval = max(1, int(expiry_s + 0.999))
+            if message_properties is not None:
+                if message_properties.response_topic:
+                    properties.ResponseTopic = message_properties.response_topic
+                if message_properties.correlation_data is not None:
+                    properties.CorrelationData = message_properties.correlation_data
+                if message_properties.user_properties:
+                    properties.UserProperty = list(message_properties.user_properties)
         self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
 
     def close(self) -> None:
@@ -207,8 +255,8 @@ class MqttConnection:
         client.on_pre_connect = self._handle_pre_connect
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
-        for topic_filter, handler in self._routes.items():
-            client.message_callback_add(topic_filter, self._dispatch(handler))
+        for topic_filter, callback in self._routes.items():
+            client.message_callback_add(topic_filter, callback)
         return client
 
     def _connect(self) -> None:
@@ -258,7 +306,7 @@ class MqttConnection:
             self.max_packet_size = getattr(props, "MaximumPacketSize", MQTT_MAX_PACKET)
             self.receive_maximum = getattr(props, "ReceiveMaximum", 65535)
         self.connects += 1
-        for topic_filter in self._routes:
+        for topic_filter in list(self._routes):
             client.subscribe(topic_filter, qos=1)
         self._connected.set()
         self._settled.set()
@@ -286,6 +334,24 @@ class MqttConnection:
         def on_message(_client: paho.Client, _userdata: object, message: paho.MQTTMessage) -> None:
             try:
                 handler(message.topic, message.payload)
+            except Exception:  # a bug in a handler must not kill paho's network thread
+                logger.exception("handler for %s failed", message.topic)
+
+        return on_message
+
+    @staticmethod
+    def _dispatch_with_properties(
+        handler: PropertiesHandler,
+    ) -> Callable[[paho.Client, object, paho.MQTTMessage], None]:
+        def on_message(_client: paho.Client, _userdata: object, message: paho.MQTTMessage) -> None:
+            props = getattr(message, "properties", None)
+            properties = MessageProperties(
+                response_topic=getattr(props, "ResponseTopic", None),
+                correlation_data=getattr(props, "CorrelationData", None),
+                user_properties=tuple(getattr(props, "UserProperty", ()) or ()),
+            )
+            try:
+                handler(message.topic, message.payload, properties)
             except Exception:  # a bug in a handler must not kill paho's network thread
                 logger.exception("handler for %s failed", message.topic)
 

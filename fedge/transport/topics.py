@@ -71,6 +71,35 @@ class Topics:
         """Subscription filter for every node's status."""
         return f"{self._root}/presence/+"
 
+    def artifact(self, name: str) -> str:
+        """Retained, signed header of the newest version of artifact ``name``."""
+        return f"{self._root}/artifact/{validate_name(name, 'artifact name')}"
+
+    def artifact_chunk(self, name: str, version: str, index: int) -> str:
+        """Retained chunk ``index`` of one artifact version."""
+        return f"{self.artifact(name)}/{validate_name(version, 'artifact version')}/{int(index)}"
+
+    def artifact_chunks(self, name: str, version: str) -> str:
+        """Subscription filter for every chunk of one artifact version."""
+        return f"{self.artifact(name)}/{validate_name(version, 'artifact version')}/+"
+
+    def infer_request(self, node_id: str) -> str:
+        """Inference requests to ``node_id`` (MQTT 5 response topic and correlation data)."""
+        return f"{self._root}/infer/{validate_name(node_id, 'node id')}/request"
+
+    def infer_status(self, node_id: str) -> str:
+        """Retained serving status of ``node_id``: model version and latency percentiles."""
+        return f"{self._root}/infer/{validate_name(node_id, 'node id')}/status"
+
+    @property
+    def all_infer_status(self) -> str:
+        """Subscription filter for every node's serving status."""
+        return f"{self._root}/infer/+/status"
+
+    def infer_reply(self, client_id: str) -> str:
+        """Where answers to the inference requests of ``client_id`` go (its response topic)."""
+        return f"{self._root}/infer-reply/{validate_name(client_id, 'client id')}"
+
     def mosquitto_acl(self, coordinator_user: str = "coordinator") -> str:
         """A Mosquitto ACL file that confines each node (username == node id) to its own topics.
 
@@ -86,12 +115,19 @@ class Topics:
                 f"topic read {self.all_presence}",
                 f"topic write {root}/node/+/in",
                 f"topic write {root}/node/+/out/ack",
+                f"topic write {root}/artifact/#",
+                f"topic read {self.all_infer_status}",
+                f"topic write {root}/infer/+/request",
                 "",
                 f"pattern read {root}/node/%u/in",
                 f"pattern write {root}/node/%u/in/ack",
                 f"pattern write {root}/node/%u/out",
                 f"pattern read {root}/node/%u/out/ack",
                 f"pattern readwrite {root}/presence/%u",
+                f"pattern read {root}/infer/%u/request",
+                f"pattern write {root}/infer/%u/status",
+                f"pattern read {root}/artifact/#",
+                f"pattern readwrite {root}/infer-reply/#",
                 "",
             ]
         )

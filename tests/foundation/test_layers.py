@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "localnet": BASE,
     "transport": BASE | {"protocol", "devices", "flower"},
     "partitioning": BASE | {"compression", "devices"},
-    "inference": BASE | {"protocol", "devices"},
+    "inference": BASE | {"protocol", "devices", "transport"},
     "server": BASE | {"compression", "protocol", "flower", "devices", "reporting", "transport", "inference"},
     "client": BASE | {"compression", "protocol", "flower", "devices", "transport", "inference"},
     "app": BASE

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import fedge.inference
 
-ALLOWED = {"numpy", "onnxruntime", "onnx", "fedge"}
-ALLOWED_FEDGE = ("fedge.inference", "fedge.config", "fedge.atomic")
+ALLOWED = {"numpy", "onnxruntime", "onnx", "fedge", "paho", "cryptography"}
+# The MQTT transport's torch-free core (connection, topics, signing, artifacts) serves the inference agent.
+ALLOWED_FEDGE = ("fedge.inference", "fedge.config", "fedge.atomic", "fedge.transport", "fedge.protocol.fleet")
 
 
 def test_package_imports_only_allowed_modules():

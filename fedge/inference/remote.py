@@ -1,0 +1,126 @@
+"""Asking a device for predictions over MQTT: the requester's side of the inference agent's protocol.
+
+Each request is an ``.npy`` batch published to the device's request topic with an MQTT 5 response topic
+(this client's own) and a fresh correlation id; the answer comes back on the response topic with the same
+correlation data, and is matched to its waiting caller by it. Many requests may be in flight at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedge.inference.io import InputError, decode_array, encode_array
+from fedge.transport.config import MqttConfig
+from fedge.transport.connection import MessageProperties, MqttConnection
+from fedge.transport.topics import Topics
+
+__all__ = ["InferenceClient", "InferenceError", "Prediction"]
+
+
+class InferenceError(RuntimeError):
+    """The device answered with an error, or its answer could not be read."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A device's answer: the model's first output and the model version that produced it."""
+
+    outputs: np.ndarray
+    version: str
+
+
+class InferenceClient:
+    """Send inference requests to devices of a fleet and wait for their answers.
+
+    Parameters
+    ----------
+    config : MqttConfig
+        Broker and fleet (the broker must speak MQTT 5).
+    client_id : str, optional
+        This requester's name (its response topic); a random one by default.
+    max_answer_bytes : int, default 64 MiB
+        Largest answer accepted.
+    """
+
+    def __init__(
+        self, config: MqttConfig, client_id: str | None = None, *, max_answer_bytes: int = 64 * 1024 * 1024
+    ) -> None:
+        self.client_id = client_id or f"requester-{uuid.uuid4().hex[:12]}"
+        self.topics = Topics(config.fleet)
+        self.max_answer_bytes = max_answer_bytes
+        self._reply_topic = self.topics.infer_reply(self.client_id)
+        self._pending: dict[bytes, Future[Prediction]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().bytes[:8]
+        self.connection = MqttConnection(config, self.client_id)
+        self.connection.route_with_properties(self._reply_topic, self._on_answer)
+
+    def start(self) -> None:
+        """Connect; :class:`ConnectionError` if the broker is unreachable or speaks only MQTT 3.1.1."""
+        self.connection.start()
+        if not self.connection.is_v5:
+            self.connection.close()
+            raise ConnectionError(
+                "inference requests need an MQTT 5 broker (response topic, correlation data)"
+            )
+
+    def close(self) -> None:
+        """Disconnect; requests still waiting fail with :class:`InferenceError`."""
+        self.connection.close()
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(InferenceError("client closed before the answer arrived"))
+
+    def __enter__(self) -> InferenceClient:
+        self.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def submit(self, node_id: str, inputs: np.ndarray) -> Future[Prediction]:
+        """Send a batch to ``node_id``; the future resolves to its :class:`Prediction`."""
+        correlation = self._prefix + next(self._ids).to_bytes(8, "big")
+        future: Future[Prediction] = Future()
+        with self._lock:
+            self._pending[correlation] = future
+        properties = MessageProperties(response_topic=self._reply_topic, correlation_data=correlation)
+        self.connection.publish(
+            self.topics.infer_request(node_id), encode_array(inputs), qos=0, message_properties=properties
+        )
+        return future
+
+    def predict(self, node_id: str, inputs: np.ndarray, timeout: float = 10.0) -> Prediction:
+        """Send a batch and wait for the answer; :class:`TimeoutError` after ``timeout`` seconds."""
+        future = self.submit(node_id, inputs)
+        try:
+            return future.result(timeout)
+        finally:
+            with self._lock:
+                for key, pending in list(self._pending.items()):
+                    if pending is future:
+                        del self._pending[key]
+
+    def _on_answer(self, _topic: str, payload: bytes, props: MessageProperties) -> None:
+        with self._lock:
+            future = self._pending.pop(props.correlation_data or b"", None)
+        if future is None:
+            return  # a late answer to a request that timed out, or not ours
+        fields = dict(props.user_properties)
+        if fields.get("status") != "ok":
+            future.set_exception(InferenceError(fields.get("error", "the device answered with an error")))
+            return
+        try:
+            outputs = decode_array(payload, max_bytes=self.max_answer_bytes, max_rows=1 << 31)
+        except InputError as err:
+            future.set_exception(InferenceError(f"unreadable answer: {err}"))
+            return
+        future.set_result(Prediction(outputs, fields.get("version", "")))

@@ -1,0 +1,272 @@
+"""Publishing and receiving versioned artifacts over MQTT retained messages (the I/O edge of ``artifacts``).
+
+The coordinator publishes every chunk of a version as a retained message, then the signed header, also
+retained, on the artifact's one header topic. A device subscribes to the header topic; when a header names
+a version it does not hold, it subscribes to that version's chunks, which the broker hands it from its
+retained store, reassembles them, checks their SHA-256 against the signed header and hands the bytes to its
+consumer on a worker thread (so building an ONNX Runtime session never blocks paho's network thread).
+
+Why retained messages: a device that is offline when a model is published gets it when it comes back,
+and a device whose link drops mid-transfer re-subscribes on reconnect, is handed the chunks again and keeps
+those it has (duplicates are counted and dropped). The broker's store holds the last ``keep`` versions;
+older chunks are cleared with empty retained messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fedge.transport.artifacts import (
+    ArtifactAssembler,
+    ArtifactError,
+    ArtifactHeader,
+    artifact_recipient,
+    split_chunks,
+)
+from fedge.transport.connection import MqttConnection
+from fedge.transport.signing import InstructionSigner, InstructionVerifier, SignatureError
+from fedge.transport.topics import Topics
+
+__all__ = ["HEADER_MESSAGE_ID", "ArtifactPublisher", "ArtifactStats", "ArtifactSubscriber"]
+
+log = logging.getLogger(__name__)
+
+HEADER_MESSAGE_ID = "artifact-header"
+"""The message id a header is signed under (its version is inside the signed body)."""
+
+
+class ArtifactPublisher:
+    """Publish versions of artifacts to every device of a fleet (coordinator side).
+
+    Parameters
+    ----------
+    connection : MqttConnection
+        A started connection with write access to ``fedge/<fleet>/artifact/#``.
+    topics : Topics
+        The fleet's topic names.
+    signer : InstructionSigner or None
+        The coordinator's key; devices that trust it refuse unsigned or foreign headers.
+    chunk_size : int, default 64 KiB
+        Bytes per retained chunk message (must fit the broker's and the devices' packet limits).
+    keep : int, default 2
+        Versions of each artifact kept in the broker's retained store.
+    """
+
+    def __init__(
+        self,
+        connection: MqttConnection,
+        topics: Topics,
+        signer: InstructionSigner | None = None,
+        *,
+        chunk_size: int = 64 * 1024,
+        keep: int = 2,
+    ) -> None:
+        if chunk_size <= 0 or keep < 1:
+            raise ValueError("chunk_size must be positive and keep at least 1")
+        self.connection = connection
+        self.topics = topics
+        self.signer = signer
+        self.chunk_size = chunk_size
+        self.keep = keep
+        self._published: dict[str, deque[ArtifactHeader]] = {}
+
+    def publish(self, name: str, version: str, data: bytes, meta: dict | None = None) -> ArtifactHeader:
+        """Publish ``data`` as version ``version`` of artifact ``name``; returns the header sent."""
+        header = ArtifactHeader.for_data(name, version, data, self.chunk_size, meta)
+        for index, chunk in enumerate(split_chunks(data, self.chunk_size)):
+            self.connection.publish(self.topics.artifact_chunk(name, version, index), chunk, retain=True)
+        body = header.encode()
+        payload = self.signer.sign(artifact_recipient(name), HEADER_MESSAGE_ID, body) if self.signer else body
+        self.connection.publish(self.topics.artifact(name), payload, retain=True)
+        history = self._published.setdefault(name, deque())
+        history.append(header)
+        while len(history) > self.keep:
+            self._clear(history.popleft())
+        log.info("published %s %s (%d bytes, %d chunks)", name, version, header.size, header.chunks)
+        return header
+
+    def _clear(self, header: ArtifactHeader) -> None:
+        """Remove an old version's chunks from the broker's retained store."""
+        for index in range(header.chunks):
+            self.connection.publish(
+                self.topics.artifact_chunk(header.name, header.version, index), b"", retain=True
+            )
+
+
+@dataclass
+class ArtifactStats:
+    """What a subscriber received and refused (counters for the device's status)."""
+
+    delivered: int = 0
+    headers_seen: int = 0
+    headers_refused: int = 0
+    chunks_refused: int = 0
+    duplicate_chunks: int = 0
+    transfers_abandoned: int = 0
+    last_error: str = ""
+    receiving: str = ""
+    refused_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class ArtifactSubscriber:
+    """Receive new versions of one artifact (device side).
+
+    Parameters
+    ----------
+    connection : MqttConnection
+        The device's connection (routes are added before or after it starts).
+    topics : Topics
+        The fleet's topic names.
+    name : str
+        Which artifact to follow (e.g. ``"model"``).
+    on_artifact : callable(ArtifactHeader, bytes, float)
+        Called on the subscriber's worker thread with each complete, checked version and the wall-clock time
+        its header arrived. It should not raise; an exception is logged and counted.
+    verifier : InstructionVerifier or None
+        With it, only headers signed by a trusted coordinator key are accepted; without it, plain headers.
+    max_size : int, default 256 MiB
+        Largest artifact accepted (a header above it is refused before any buffer is allocated).
+    max_chunk_size : int, default 4 MiB
+        Largest chunk size a header may declare.
+    current_version : str or None
+        The version the device already holds (e.g. loaded from disk at start); its header is ignored. It
+        becomes each version handed to ``on_artifact``, whether or not the consumer accepts it: a version
+        the consumer refused is not fetched again.
+    """
+
+    def __init__(
+        self,
+        connection: MqttConnection,
+        topics: Topics,
+        name: str,
+        on_artifact: Callable[[ArtifactHeader, bytes, float], None],
+        *,
+        verifier: InstructionVerifier | None = None,
+        max_size: int = 256 * 1024 * 1024,
+        max_chunk_size: int = 4 * 1024 * 1024,
+        current_version: str | None = None,
+    ) -> None:
+        self.connection = connection
+        self.topics = topics
+        self.name = name
+        self.on_artifact = on_artifact
+        self.verifier = verifier
+        self.max_size = max_size
+        self.max_chunk_size = max_chunk_size
+        self.current_version = current_version
+        self.stats = ArtifactStats()
+        self._lock = threading.Lock()
+        self._assembler: ArtifactAssembler | None = None
+        self._started_at = 0.0
+        self._chunk_filter: str | None = None
+        self._failed_versions: set[str] = set()
+        self._queue: queue.Queue[tuple[ArtifactHeader, bytes, float] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._deliver_loop, name=f"artifact-{name}", daemon=True)
+
+    def start(self) -> None:
+        """Follow the artifact's header topic and start the delivery thread."""
+        self._worker.start()
+        self.connection.route(self.topics.artifact(self.name), self._on_header)
+
+    def stop(self) -> None:
+        """Stop following and end the delivery thread (after the version it is handing over)."""
+        self.connection.unroute(self.topics.artifact(self.name))
+        with self._lock:
+            self._drop_transfer()
+        self._queue.put(None)
+        if self._worker.is_alive():
+            self._worker.join(timeout=30)
+
+    # -- paho's thread ---------------------------------------------------------------------------------
+    def _on_header(self, _topic: str, payload: bytes) -> None:
+        if not payload:
+            return  # a cleared header
+        self.stats.headers_seen += 1
+        try:
+            header = self._read_header(payload)
+        except (ArtifactError, SignatureError) as err:
+            self._refuse("header", str(err))
+            return
+        with self._lock:
+            busy = self._assembler is not None and self._assembler.header.version == header.version
+            if busy or header.version == self.current_version or header.version in self._failed_versions:
+                return
+            if self._assembler is not None:  # a newer version supersedes the one in progress
+                self.stats.transfers_abandoned += 1
+                self._drop_transfer()
+            self._assembler = ArtifactAssembler(header)
+            self._started_at = time.time()
+            self.stats.receiving = header.version
+            self._chunk_filter = self.topics.artifact_chunks(self.name, header.version)
+        log.info("receiving %s %s (%d bytes)", self.name, header.version, header.size)
+        self.connection.route(self._chunk_filter, self._on_chunk)
+
+    def _read_header(self, payload: bytes) -> ArtifactHeader:
+        if self.verifier is not None:
+            payload = self.verifier.verify(artifact_recipient(self.name), HEADER_MESSAGE_ID, payload)
+        header = ArtifactHeader.decode(payload, max_size=self.max_size, max_chunk_size=self.max_chunk_size)
+        if header.name != self.name:
+            raise ArtifactError(f"header names artifact {header.name!r}, expected {self.name!r}")
+        return header
+
+    def _on_chunk(self, topic: str, payload: bytes) -> None:
+        prefix, _, index_text = topic.rpartition("/")
+        version = prefix.rpartition("/")[2]
+        complete: tuple[ArtifactHeader, bytes, float] | None = None
+        with self._lock:
+            assembler = self._assembler
+            if assembler is None or assembler.header.version != version:
+                return  # a chunk of a version no longer wanted
+            if not payload and assembler.header.size:
+                return  # a cleared chunk (the coordinator dropped this version from the store)
+            try:
+                assembler.add(int(index_text), payload)
+            except (ArtifactError, ValueError) as err:
+                self._refuse("chunk", str(err), chunk=True)
+                return
+            self.stats.duplicate_chunks = assembler.duplicates
+            if assembler.missing:
+                return
+            try:
+                complete = (assembler.header, assembler.result(), self._started_at)
+                self.current_version = version  # handed over: its header arriving again starts nothing
+            except ArtifactError as err:
+                self._failed_versions.add(version)
+                self._refuse("sha256", str(err))
+            self._drop_transfer()
+        if complete is not None:
+            self._queue.put(complete)
+
+    def _drop_transfer(self) -> None:
+        """Forget the transfer in progress (caller holds the lock)."""
+        if self._chunk_filter is not None:
+            self.connection.unroute(self._chunk_filter)
+        self._assembler, self._chunk_filter = None, None
+        self.stats.receiving = ""
+
+    def _refuse(self, reason: str, message: str, *, chunk: bool = False) -> None:
+        if chunk:
+            self.stats.chunks_refused += 1
+        else:
+            self.stats.headers_refused += 1
+        self.stats.refused_reasons[reason] = self.stats.refused_reasons.get(reason, 0) + 1
+        self.stats.last_error = f"{reason}: {message}"
+        log.warning("refused %s %s: %s", self.name, reason, message)
+
+    # -- the worker thread -----------------------------------------------------------------------------
+    def _deliver_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            header, data, started_at = item
+            try:
+                self.on_artifact(header, data, started_at)
+            except Exception as err:  # the consumer's bug must not end deliveries
+                self._refuse("consumer", f"{type(err).__name__}: {err}")
+                log.exception("consumer of %s %s failed", self.name, header.version)
+                continue
+            self.stats.delivered += 1

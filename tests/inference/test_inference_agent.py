@@ -1,0 +1,197 @@
+"""The torch-free inference agent over a real Mosquitto: model distribution, serving, hot swap, refusals."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
+from fedge.inference.remote import InferenceClient, InferenceError
+from fedge.inference.serving import ModelServer
+from fedge.localnet import MosquittoBroker
+from fedge.transport import MqttConfig
+from fedge.transport.artifact_channel import ArtifactPublisher
+from fedge.transport.artifacts import ArtifactHeader, split_chunks
+from fedge.transport.connection import MqttConnection
+from fedge.transport.signing import InstructionSigner
+from fedge.transport.topics import Topics
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MosquittoBroker]:
+    with MosquittoBroker(tmp_path_factory.mktemp("mosquitto")) as running:
+        yield running
+
+
+@pytest.fixture
+def mqtt(broker: MosquittoBroker) -> Callable[..., MqttConfig]:
+    fleet = f"f{uuid.uuid4().hex[:8]}"
+
+    def make(**fields: object) -> MqttConfig:
+        return MqttConfig(broker_url=broker.url, fleet=fleet, reconnect_max_s=0.5, **fields)  # type: ignore[arg-type]
+
+    return make
+
+
+@pytest.fixture
+def coordinator(mqtt) -> Iterator[MqttConnection]:
+    connection = MqttConnection(mqtt(), f"coord-{uuid.uuid4().hex[:6]}")
+    connection.start()
+    yield connection
+    connection.close()
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def _publish(publisher: ArtifactPublisher, path, manifest, version: str) -> ArtifactHeader:
+    return publisher.publish("model", version, path.read_bytes(), manifest.to_dict())
+
+
+def _agent(mqtt, tmp_path, **fields) -> InferenceAgent:
+    config = InferenceAgentConfig(node_id="dev-1", mqtt=mqtt(), model_dir=str(tmp_path / "dev-1"), **fields)
+    return InferenceAgent(config)
+
+
+def test_device_serves_published_model_and_swaps_mid_stream(
+    mqtt, coordinator, variants, digits_test, tmp_path
+):
+    publisher = ArtifactPublisher(coordinator, Topics(coordinator.config.fleet), chunk_size=16 * 1024)
+    fp32_path, fp32 = variants["fp32"]
+    int8_path, int8 = variants["int8-static"]
+    _publish(publisher, fp32_path, fp32, "v1")  # before the device exists: retained, so it still gets it
+    x = digits_test[0][:8]
+    expected = {"v1": ModelServer(), "v2": ModelServer()}
+    expected["v1"].load(fp32_path)
+    expected["v2"].load(int8_path)
+    with _agent(mqtt, tmp_path) as agent, InferenceClient(mqtt()) as client:
+        _wait(lambda: agent.server.serving_version == "v1")
+        first = client.predict("dev-1", x)
+        assert first.version == "v1"
+        np.testing.assert_allclose(first.outputs, expected["v1"].predict(x), atol=1e-5)
+
+        answers: list[tuple[str, bool]] = []
+        stop = threading.Event()
+
+        def stream() -> None:  # about 100 requests/s while the new version arrives
+            while not stop.is_set():
+                try:
+                    answers.append((client.predict("dev-1", x[:1], timeout=10).version, True))
+                except (InferenceError, TimeoutError):
+                    answers.append(("", False))
+                stop.wait(0.01)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        _wait(lambda: len(answers) >= 20)
+        _publish(publisher, int8_path, int8, "v2")
+        _wait(lambda: agent.server.serving_version == "v2")
+        count = len(answers)
+        _wait(lambda: len(answers) >= count + 20)
+        stop.set()
+        thread.join()
+        assert all(ok for _, ok in answers), "a request failed during the swap"
+        versions = [v for v, _ in answers]
+        assert versions[0] == "v1" and versions[-1] == "v2"
+        assert versions == sorted(versions), "answers went back to the old model after the swap"
+        np.testing.assert_allclose(client.predict("dev-1", x).outputs, expected["v2"].predict(x), atol=1e-5)
+        status = agent.status()
+        assert status["swaps"] == 2 and status["version"] == "v2"
+        assert [entry["version"] for entry in status["swap_log"]] == ["v1", "v2"]
+        assert status["latency_ms"]["count"] >= count and status["latency_ms"]["p99"] > 0
+
+    # The retained status says the device went offline; a restart serves the kept model without a download.
+    with _agent(mqtt, tmp_path) as again:
+        assert again.server.serving_version == "v2"
+        # The retained v2 header arrives on subscribing and must not start a transfer.
+        _wait(lambda: again.models.stats.headers_seen >= 1)
+        status = again.status()
+        assert status["models"]["receiving"] == "" and status["models"]["delivered"] == 0
+
+
+def test_unsigned_and_corrupt_models_are_refused_and_old_model_keeps_serving(
+    mqtt, coordinator, variants, digits_test, tmp_path
+):
+    key = Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    topics = Topics(coordinator.config.fleet)
+    signed = ArtifactPublisher(coordinator, topics, InstructionSigner(key), chunk_size=32 * 1024)
+    unsigned = ArtifactPublisher(coordinator, topics)
+    fp32_path, fp32 = variants["fp32"]
+    x = digits_test[0][:4]
+    with _agent(mqtt, tmp_path, instruction_keys=(public,)) as agent, InferenceClient(mqtt()) as client:
+        _publish(signed, fp32_path, fp32, "good")
+        _wait(lambda: agent.server.serving_version == "good")
+        _publish(unsigned, fp32_path, fp32, "forged")
+        _wait(lambda: agent.models.stats.headers_refused == 1)
+        # Signed, but the bytes are not an ONNX model: built beside the old one, refused, old one serves.
+        garbage = np.random.default_rng(0).bytes(5000)
+        signed.publish("model", "broken", garbage, {})
+        _wait(lambda: agent.status()["failed_swaps"].get("load", 0) == 1)
+        assert client.predict("dev-1", x).version == "good"
+        status = agent.status()
+        assert status["models"]["refused_reasons"] == {"header": 1}
+        assert "not signed" in status["models"]["last_error"]
+        assert [e["ok"] for e in status["swap_log"]] == [True, False]
+
+
+def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, variants, digits_test, tmp_path):
+    fp32_path, fp32 = variants["fp32"]
+    _publish(ArtifactPublisher(coordinator, Topics(coordinator.config.fleet)), fp32_path, fp32, "v1")
+    with _agent(mqtt, tmp_path, max_batch=16) as agent, InferenceClient(mqtt()) as client:
+        _wait(lambda: agent.server.serving_version == "v1")
+        request_topic = client.topics.infer_request("dev-1")
+        future = client.submit("dev-1", np.zeros((1, 1, 8, 8), np.float32))
+        future.result(10)
+        with pytest.raises(InferenceError, match="exceeds the cap of 16"):
+            client.predict("dev-1", np.zeros((17, 1, 8, 8), np.float32))
+        with pytest.raises(InferenceError, match=r"InvalidArgument|Got invalid dimensions|rank"):
+            client.predict("dev-1", np.zeros((2, 3), np.float32))
+        client.connection.publish(
+            request_topic, b"\x93NUMPY garbage"
+        )  # no response topic: counted, unanswered
+        _wait(lambda: agent.failed_requests.get("no-response-topic", 0) == 1)
+        assert agent.failed_requests == {"bad-request": 1, "inference": 1, "no-response-topic": 1}
+        assert client.predict("dev-1", np.zeros((2, 1, 8, 8), np.float32)).outputs.shape == (2, 10)
+
+
+def test_transfer_interrupted_mid_way_resumes_from_retained_chunks(mqtt, coordinator, variants, tmp_path):
+    """Half the chunks, then the link drops; after reconnecting the device keeps what it had."""
+    topics = Topics(coordinator.config.fleet)
+    fp32_path, fp32 = variants["fp32"]
+    data = fp32_path.read_bytes()
+    header = ArtifactHeader.for_data("model", "v1", data, 8 * 1024, fp32.to_dict())
+    chunks = split_chunks(data, header.chunk_size)
+    half = len(chunks) // 2
+    for index in range(half):
+        coordinator.publish(topics.artifact_chunk("model", "v1", index), chunks[index], retain=True)
+    coordinator.publish(topics.artifact("model"), header.encode(), retain=True)
+    with _agent(mqtt, tmp_path) as agent:
+        _wait(lambda: agent.models.stats.receiving == "v1")
+        _wait(
+            lambda: (
+                agent.models._assembler is not None and agent.models._assembler.missing == len(chunks) - half
+            )
+        )
+        agent.connection.drop_link()
+        for index in range(half, len(chunks)):
+            coordinator.publish(topics.artifact_chunk("model", "v1", index), chunks[index], retain=True)
+        _wait(lambda: agent.server.serving_version == "v1")
+        stats = agent.models.stats
+        assert stats.delivered == 1 and stats.transfers_abandoned == 0
+        assert agent.connection.connects >= 2
+        kept = json.loads((tmp_path / "dev-1" / "model.onnx.json").read_text())
+        assert kept["sha256"] == fp32.sha256
