@@ -4,23 +4,24 @@ Models: the reference CNN (``DigitsCNN``, trained briefly on the digits so accur
 ResNet-18 with random weights (3x224x224; 3x64x64 with ``--quick``). For each: p50/p95 latency at batch 1
 and 32, model bytes, accuracy (the CNN's digits test accuracy; for the ResNet, top-1 agreement with fp32
 on random inputs), and the variant :func:`fedge.inference.select_variant` serves. Then the hot-swap test
-(a client at 100 requests/s while 20 swaps happen, in process) and the RSS of a torch-free serving process.
+over a real Mosquitto (a requester at 100 requests/s while the coordinator publishes 20 new versions to a
+``fedge serve`` process; :mod:`fedge.bench._infer_swap`) and that agent's RSS beside the RSS of a bare
+``import numpy, onnxruntime`` (the floor no Python agent can go under).
 
 Headline: ``ort_speedup_vs_torch_batch1`` (CNN), ``int8_size_ratio`` (ResNet), ``int8_accuracy_drop_pp``
 (CNN), ``served_variant_never_slower``, ``swap_failed_requests``, ``swap_pause_p99_ms``,
-``infer_agent_rss_mb`` (RSS minus model bytes) and ``infer_install_mb`` (``pip download`` of the ``infer``
-extra's closure; skipped with ``--quick``).
+``infer_agent_rss_mb`` (the agent process's RSS; ``infer_agent_rss_above_runtime_mb`` is what it adds to
+the runtime's floor, ``infer_agent_rss_bound_mb`` the model's size + 40) and ``infer_install_mb``
+(``pip download`` of the ``infer`` extra's closure; skipped with ``--quick``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,11 +32,19 @@ from torch import nn
 from fedge.app.digits import digits_split
 from fedge.app.task import DigitsCNN
 from fedge.bench._common import emit, parse_args, timed
-from fedge.inference import ModelServer, measure_variants, read_manifest, select_variant
+from fedge.bench._infer_swap import runtime_floor_rss, swap_over_broker
+from fedge.inference import measure_variants, select_variant
 from fedge.inference.session import available_cpus
 from fedge.server.export import export_variants
 
-INFER_EXTRA = ["onnxruntime==1.32.0", "numpy", "paho-mqtt"]
+# The ``infer`` extra as pinned in constraints.txt (what a torch-free device downloads).
+INFER_EXTRA = [
+    "onnxruntime==1.32.0",
+    "numpy==2.4.6",
+    "paho-mqtt==2.2.0",
+    "cryptography==50.0.2",
+    "typer==0.20.0",
+]
 
 
 class BasicBlock(nn.Module):
@@ -138,86 +147,6 @@ def _bench_model(name, model, sample, calibration, labelled, out_dir, runs, batc
     }
 
 
-def _swap_test(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0) -> dict:
-    """A client at ``rate_hz`` while ``swaps`` swaps alternate between ``paths``; extra latency in swaps."""
-    server = ModelServer()
-    server.load(paths[0])
-    models = [(p.read_bytes(), read_manifest(p)) for p in paths]
-    sample = np.random.default_rng(0).random((1, 1, 8, 8), dtype=np.float32)
-    records: list[tuple[float, float, bool]] = []
-    stop = threading.Event()
-
-    def client() -> None:
-        tick = time.perf_counter()
-        while not stop.is_set():
-            start = time.perf_counter()
-            try:
-                server.predict(sample)
-                ok = True
-            except Exception:
-                ok = False
-            records.append((start, time.perf_counter() - start, ok))
-            tick += 1 / rate_hz
-            stop.wait(max(0.0, tick - time.perf_counter()))  # pacing the client, not waiting for a result
-
-    thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    while len(records) < 100:  # one second of baseline requests
-        stop.wait(0.01)
-    windows, results = [], []
-    for i in range(swaps):
-        start = time.perf_counter()
-        results.append(server.swap(*models[(i + 1) % len(models)], version=f"v{i + 1}"))
-        windows.append((start, time.perf_counter()))
-        stop.wait(0.05)
-    count = len(records)
-    while len(records) < count + 20:
-        stop.wait(0.01)
-    stop.set()
-    thread.join()
-    baseline = np.asarray([lat for s, lat, _ in records if s < windows[0][0]])
-    during = np.asarray([lat for s, lat, _ in records if any(a <= s + lat and s <= b for a, b in windows)])
-    extra = (during - np.median(baseline)) * 1e3 if during.size else np.zeros(1)
-    return {
-        "requests": len(records),
-        "failed_requests": sum(not ok for *_, ok in records),
-        "swaps_ok": sum(r.ok for r in results),
-        "requests_during_swaps": int(during.size),
-        "pause_p99_ms": float(max(0.0, np.percentile(extra, 99))),
-        "baseline_p50_ms": float(np.median(baseline) * 1e3),
-        "swap_build_ms_p50": float(np.median([r.build_s for r in results]) * 1e3),
-        "version": server.version,
-    }
-
-
-_RSS_SCRIPT = """
-import sys, time, json
-import numpy as np
-start = time.perf_counter()
-from fedge.inference import ModelServer
-server = ModelServer()
-server.load(sys.argv[1])
-x = np.zeros((1, 1, 8, 8), np.float32)
-server.predict(x)
-first = time.perf_counter() - start
-for _ in range(200):
-    server.predict(x)
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-kb = lambda key: int(status[key].split()[0])
-print(json.dumps({"rss_kb": kb("VmRSS"), "anon_kb": kb("RssAnon"), "file_kb": kb("RssFile"), "first_s": first,
-                  "heavy": [m for m in ("torch", "flwr", "onnx") if m in sys.modules]}))
-"""
-
-
-def _rss_test(model_path: Path) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(model_path)], capture_output=True, text=True, check=True
-    )
-    data = json.loads(out.stdout.strip().splitlines()[-1])
-    model_mb = model_path.stat().st_size / 1e6
-    return {**data, "model_mb": model_mb, "rss_minus_model_mb": data["rss_kb"] / 1024 - model_mb}
-
-
 def _install_mb() -> tuple[float | None, str]:
     """Download size of the ``infer`` extra's closure (what a torch-free device fetches)."""
     with tempfile.TemporaryDirectory(prefix="fedge-infer-dl-") as dest:
@@ -251,8 +180,10 @@ def main() -> None:
         results["resnet18"] = _bench_model(
             "resnet18", resnet, images[32:], images[:32], (images[32:], agree), out_dir, max(6, runs // 10)
         )
-        swap = _swap_test([out_dir / "cnn" / "model-fp32.onnx", out_dir / "cnn" / "model-int8-static.onnx"])
-        rss = _rss_test(out_dir / "cnn" / "model-fp32.onnx")
+        cnn_fp32 = out_dir / "cnn" / "model-fp32.onnx"
+        swap = swap_over_broker([cnn_fp32, out_dir / "cnn" / "model-int8-static.onnx"])
+        model_mb = cnn_fp32.stat().st_size / 1e6
+        floor_mb = runtime_floor_rss()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     install_mb, install_files = _install_mb() if not args.quick else (None, "skipped with --quick")
@@ -312,10 +243,13 @@ def main() -> None:
         "swap_failed_requests": swap["failed_requests"],
         "swap_pause_p99_ms": swap["pause_p99_ms"],
         "swaps_ok": swap["swaps_ok"],
-        "infer_agent_rss_mb": rss["rss_minus_model_mb"],
-        "infer_agent_anon_rss_mb": rss["anon_kb"] / 1024,
-        "infer_agent_first_inference_s": rss["first_s"],
-        "infer_agent_imports_torch": bool(rss["heavy"]),
+        "swap_requests": swap["requests"],
+        "swap_requests_during_swaps": swap["requests_during_swaps"],
+        "infer_agent_rss_mb": swap["agent_rss_mb"],
+        "infer_runtime_floor_rss_mb": floor_mb,
+        "infer_agent_rss_above_runtime_mb": swap["agent_rss_mb"] - floor_mb,
+        "infer_agent_rss_bound_mb": model_mb + 40,
+        "infer_agent_loaded_torch": swap["agent_loaded_torch"],
         "infer_install_mb": install_mb,
         "resnet_input": f"3x{side}x{side}",
     }
@@ -324,7 +258,6 @@ def main() -> None:
         "quick": args.quick,
         "headline": headline,
         "swap": swap,
-        "rss": rss,
         "install_files": install_files,
         "models": detail,
         "cpus": available_cpus(),

@@ -15,6 +15,7 @@ from fedge.cli.common import fail
 from fedge.cli.partition import partition_app
 from fedge.cli.predict import predict
 from fedge.cli.run import bench, simulate
+from fedge.cli.serve import infer, serve
 from fedge.cli.service import agent, coordinator, status
 from fedge.cli.tools import broker_command, netem_command
 
@@ -44,6 +45,8 @@ app.command()(agent)
 app.command()(status)
 app.command()(bench)
 app.command()(predict)
+app.command()(serve)
+app.command()(infer)
 app.add_typer(partition_app, name="partition")
 app.command("broker")(broker_command)
 app.command("netem")(netem_command)
