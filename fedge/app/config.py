@@ -20,6 +20,7 @@ from fedge.compression import CodecConfigError, build_codec
 from fedge.config import ConfigError, check_types, from_table
 from fedge.server.budget import UploadBudget
 from fedge.server.downlink import FULL_MODEL_CODECS
+from fedge.server.model_export import check_export_settings, with_fp32
 from fedge.server.optimizers import OPTIMIZERS
 
 __all__ = ["STRATEGIES", "AppConfig"]
@@ -109,6 +110,17 @@ class AppConfig:
         ``scale`` (×10) or ``noise``; empty: every client is honest.
     attackers : float (default: 0.2)
         Fraction of the clients that attack, in [0, 1]; needs ``attack``.
+    export_every : int or None (default: None: 1 for the coordinator service, 0 for simulations)
+        Export the global model to ONNX after every ``export_every``-th round and after the last one
+        (:mod:`fedge.server.model_export`): ``<out_dir>/models/r0007/model.onnx`` with its manifest, verified
+        against torch, and ``models/latest.json``; 0 exports nothing. Needs ``out_dir`` (the coordinator
+        service falls back to its ``state_dir``).
+    export_variants : list of str (default: ["fp32"])
+        Variants each export holds: fp32 always, plus ``int8-static`` (calibrated on the task's data) and
+        ``int8-dynamic`` on request.
+    export_keep : int (default: 3)
+        Exported versions kept on disk, the newest ones (the one ``latest.json`` names is never deleted);
+        0 keeps every version.
     """
 
     rounds: int = 30
@@ -137,6 +149,9 @@ class AppConfig:
     strategy: str = "fedavg"
     attack: str = ""
     attackers: float = 0.2
+    export_every: int | None = None
+    export_variants: tuple[str, ...] = ("fp32",)
+    export_keep: int = 3
 
     # Flower's key for the number of rounds differs from the field name.
     _RUN_CONFIG_KEYS: ClassVar[dict[str, str]] = {"rounds": "num-server-rounds"}
@@ -177,6 +192,10 @@ class AppConfig:
                 raise ConfigError("upload_budget needs codec (the codec of clients whose link is unknown)")
             from_table(UploadBudget, self.upload_budget, where="upload_budget")
         self._check_robustness()
+        problem = check_export_settings(self.export_every or 0, self.export_variants, self.export_keep)
+        if problem:
+            raise ConfigError(problem)
+        object.__setattr__(self, "export_variants", with_fp32(self.export_variants))
 
     def _check_robustness(self) -> None:
         """Strategy and attack settings."""
@@ -260,6 +279,8 @@ class AppConfig:
                     values[name] = json.loads(values[name] or "{}")
                 except ValueError as err:
                     raise ConfigError(f"{name.replace('_', '-')} is not JSON: {err}") from None
+        if isinstance(values.get("export_variants"), str):  # flat as well: "fp32,int8-static"
+            values["export_variants"] = [v.strip() for v in values["export_variants"].split(",") if v.strip()]
         return cls.from_table(values)
 
     def to_run_config(self) -> dict[str, bool | int | float | str]:
@@ -267,7 +288,13 @@ class AppConfig:
         flat = {
             self._RUN_CONFIG_KEYS.get(f.name, f.name.replace("_", "-")): getattr(self, f.name)
             for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None  # export_every unset: whoever runs the app decides
         }
         flat["task-args"] = self.task_args_json
         flat["upload-budget"] = json.dumps(self.upload_budget, sort_keys=True)
+        flat["export-variants"] = ",".join(self.export_variants)
         return flat
+
+    def resolved_export_every(self, default: int) -> int:
+        """``export_every``, or ``default`` when it is unset (1 for the coordinator service, else 0)."""
+        return default if self.export_every is None else self.export_every

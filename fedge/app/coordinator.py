@@ -6,7 +6,7 @@ an ``[mqtt]`` table and an ``[app]`` table of :class:`AppConfig` (with an option
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from fedge.app.config import AppConfig
 from fedge.app.server_app import federated_run
 from fedge.config import from_table, read_toml
 from fedge.reporting.history import RoundListener, RunHistory
+from fedge.server.model_export import ExportedModel
 from fedge.server.service import ServiceConfig, run_service
 from fedge.transport.config import MqttConfig
 
@@ -46,8 +47,24 @@ class CoordinatorConfig:
 
 
 def run_coordinator(
-    config: CoordinatorConfig, *, resume: bool = False, listeners: Iterable[RoundListener] = ()
+    config: CoordinatorConfig,
+    *,
+    resume: bool = False,
+    listeners: Iterable[RoundListener] = (),
+    on_model_exported: Callable[[ExportedModel], None] | None = None,
 ) -> RunHistory:
-    """Run the app over MQTT as a service (see :func:`fedge.server.service.run_service`)."""
-    run = federated_run(config.app, num_partitions=config.app.min_nodes)
-    return run_service(config.service, run, resume=resume, listeners=listeners)
+    """Run the app over MQTT as a service (see :func:`fedge.server.service.run_service`).
+
+    The service exports the global model after every round unless ``app.export_every`` says otherwise,
+    into ``app.out_dir/models`` (``state_dir/models`` without an ``out_dir``); ``on_model_exported`` is told
+    of each export.
+    """
+    run = federated_run(
+        config.app,
+        num_partitions=config.app.min_nodes,
+        export_dir=config.app.out_dir or config.service.state_dir,
+        export_every=1,
+    )
+    return run_service(
+        config.service, run, resume=resume, listeners=listeners, on_model_exported=on_model_exported
+    )

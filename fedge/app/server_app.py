@@ -18,7 +18,7 @@ from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Strategy
 
 from fedge.app.config import AppConfig
 from fedge.app.task import prepare_task
-from fedge.config import from_table
+from fedge.config import ConfigError, from_table
 from fedge.reporting.history import RoundListener, RunHistory
 from fedge.server import (
     CompressionConfig,
@@ -31,6 +31,7 @@ from fedge.server import (
     StreamingFedAvg,
 )
 from fedge.server.budget import UploadBudget
+from fedge.server.model_export import ModelExporter, RoundExportConfig
 from fedge.server.runner import FederatedRun, ResumePoint, RoundEnd, run_rounds
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,19 @@ def build_strategy(config: AppConfig) -> Strategy:
 
 
 def federated_run(
-    config: AppConfig, strategy: Strategy | None = None, num_partitions: int | None = None
+    config: AppConfig,
+    strategy: Strategy | None = None,
+    num_partitions: int | None = None,
+    *,
+    export_dir: str = "",
+    export_every: int = 0,
 ) -> FederatedRun:
     """The run ``config`` describes: the task's freshly seeded model, its test set, the app's strategy.
 
     ``num_partitions`` is the run's number of clients, which the task's test set may depend on; it
-    defaults to ``config.min_nodes``.
+    defaults to ``config.min_nodes``. The global model is exported to ONNX after rounds when
+    ``config.export_every`` (``export_every`` when that is unset) is > 0, into ``export_dir`` (default:
+    ``config.out_dir``), with the inputs of the task's ``export_inputs``.
     """
     task = prepare_task(
         config.task,
@@ -153,6 +161,23 @@ def federated_run(
         model.load_state_dict(arrays.to_torch_state_dict())
         return task.task.evaluate(model, test_set)
 
+    every = config.resolved_export_every(export_every)
+    exporter = None
+    if every:
+        export_dir = export_dir or config.out_dir
+        if not export_dir:
+            raise ConfigError("export_every needs out_dir: exported models go to <out_dir>/models")
+
+        def export_model(arrays: ArrayRecord) -> torch.nn.Module:
+            model.load_state_dict(arrays.to_torch_state_dict())
+            return model
+
+        exporter = ModelExporter(
+            export_dir,
+            export_model,
+            lambda: task.task.export_inputs(test_set),
+            RoundExportConfig(every=every, variants=config.export_variants, keep=config.export_keep),
+        )
     return FederatedRun(
         strategy=strategy or build_strategy(config),
         initial_arrays=ArrayRecord(model.state_dict()),
@@ -165,6 +190,7 @@ def federated_run(
         min_nodes=config.min_nodes,
         max_failed_rounds=config.max_failed_rounds,
         target_accuracy=config.target_accuracy,
+        exporter=exporter,
     )
 
 

@@ -14,6 +14,7 @@ what :meth:`Task.prepare` caches on ``self`` is there for :meth:`Task.load_parti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -21,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.optim
@@ -29,6 +30,9 @@ from torch import nn
 
 from fedge.app.digits import digits_split, dirichlet_partitions
 from fedge.importing import import_attribute
+
+if TYPE_CHECKING:
+    from fedge.server.model_export import ExportInputs
 
 __all__ = [
     "DigitsTask",
@@ -82,6 +86,17 @@ class Task(ABC):
     :meth:`train` and :meth:`evaluate` fit classification with cross-entropy on :data:`TensorData`.
     A task may take keyword arguments in ``__init__`` (a ``[task]`` table, ``--task-arg key=value``); they
     must be plain values (strings, numbers, booleans, lists, tables): they travel to clients as JSON.
+
+    **Export to ONNX.** When export is on (``export_every``; the coordinator service exports every round by
+    default), the coordinator exports the global model after rounds
+    (:mod:`fedge.server.model_export`): the module exported is :meth:`model` with the round's global weights
+    loaded, in eval mode, called as ``module(x)`` on one float32 tensor batch, returning one tensor whose
+    axis 0 is the batch. :meth:`export_inputs` supplies the example input, the held-out inputs the file is
+    verified on (ONNX Runtime within 1e-4 of torch at batch 1 and 8), int8 calibration inputs and labelled
+    data for the manifest's accuracy; by default it slices :meth:`test_set`. A model the exporter cannot
+    handle (several inputs, non-float inputs, a forward that leaves torch) fails each export: a warning in
+    the log, ``export_failures`` in the round's metrics, and the run goes on. A task whose model is not
+    meant to be exported returns None from :meth:`export_inputs`: nothing is exported and the log says so.
     """
 
     @abstractmethod
@@ -151,6 +166,27 @@ class Task(ABC):
         loss = nn.functional.cross_entropy(logits, labels).item() if len(labels) else 0.0
         correct = (logits.argmax(dim=1) == labels).sum().item()
         return {"loss": loss, "accuracy": correct / max(len(labels), 1), "num-examples": float(len(labels))}
+
+    def export_inputs(self, test_set: TensorData) -> ExportInputs | None:
+        """What the coordinator exports the global model to ONNX with; None: the model is not exported.
+
+        Called once per run on the coordinator, with the run's :meth:`test_set`, and only when export is on.
+        The default takes the test features as float32: ``example`` the first 2 rows, ``held_out`` the first
+        8 (verification at batch 1 and 8), ``calibration`` the first 256 (the int8-static variant's
+        activation ranges), ``labelled`` the whole test set (each variant's accuracy, measured with ONNX
+        Runtime, in its manifest). Override it to calibrate on other data, to bound the cost of the
+        accuracy measurement on a large test set, or to return None for a model that must not be exported.
+        """
+        from fedge.server.model_export import ExportInputs
+
+        features, labels = (t.detach().cpu().numpy() for t in test_set)
+        features = features.astype("float32", copy=False)
+        return ExportInputs(
+            example=features[:2],
+            held_out=features[:8],
+            calibration=features[:256],
+            labelled=(features, labels),
+        )
 
 
 def load_task(path: str, args: Mapping[str, Any] | None = None) -> Task:
@@ -292,3 +328,9 @@ class DigitsTask(Task):
         # Loaded before the engine starts its clients, so forked client processes inherit their data.
         dirichlet_partitions(num_partitions, alpha, seed)
         digits_split("train")
+
+    def export_inputs(self, test_set: TensorData) -> ExportInputs | None:
+        """The default's, but int8-static calibrates on training images (the test set stays unseen)."""
+        inputs = super().export_inputs(test_set)
+        train_features = digits_split("train")[0][:256].numpy()
+        return dataclasses.replace(inputs, calibration=train_features) if inputs is not None else None

@@ -3,7 +3,8 @@
 A Mosquitto on a free port; the inference agent as its own process (the torch-free ``fedge serve``); a
 requester sending one request every 10 ms (100 requests/s, paced by the clock, not by answers); the
 coordinator's :class:`~fedge.transport.artifact_channel.ArtifactPublisher` publishing ``swaps`` new
-versions, alternating two model files. The agent's status gives each swap's window, from the moment the
+versions, alternating two fp32 model files (two different sets of weights; one variant per version, so a
+swap measures no variants). The agent's status gives each swap's window, from the moment the
 new version's header arrived to the moment the new session serves (wall clock, the same machine's).
 
 Figures: failed requests (error answers or no answer within 5 s), requests whose flight overlaps a swap
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from fedge.inference import read_manifest
+from fedge.inference.distribution import publish_model
 from fedge.inference.remote import InferenceClient, Prediction
 from fedge.localnet import MosquittoBroker
 from fedge.transport.artifact_channel import ArtifactPublisher
@@ -55,7 +57,7 @@ def swap_over_broker(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0)
         )
         coordinator.start()
         publisher = ArtifactPublisher(coordinator, topics)
-        publisher.publish("model", "v0", models[0][0], models[0][1].to_dict())
+        publish_model(publisher, "v0", {"fp32": models[0]})
         agent = _start_agent(Path(tmp), broker.url)
         try:
             _wait(lambda: any(s.get("version") == "v0" for s in statuses), 60, agent)
@@ -113,7 +115,7 @@ def _drive(config, publisher, models, swaps, rate_hz, statuses, agent) -> tuple[
         _wait(lambda: len(records) >= rate_hz, 30, agent)  # one second of baseline
         for i in range(1, swaps + 1):
             data, manifest = models[i % len(models)]
-            publisher.publish("model", f"v{i}", data, manifest.to_dict())
+            publish_model(publisher, f"v{i}", {"fp32": (data, manifest)})
             _wait(lambda i=i: any(s.get("swaps", 0) >= i + 1 for s in statuses), 60, agent)
             stop.wait(0.2)
         count = len(records)

@@ -17,6 +17,7 @@ the runtime's floor, ``infer_agent_rss_bound_mb`` the model's size + 40) and ``i
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ from fedge.bench._common import emit, parse_args, timed
 from fedge.bench._infer_swap import runtime_floor_rss, swap_over_broker
 from fedge.inference import measure_variants, select_variant
 from fedge.inference.session import available_cpus
-from fedge.server.export import export_variants
+from fedge.server.export import export_onnx, export_variants
 
 # The ``infer`` extra as pinned in constraints.txt (what a torch-free device downloads).
 INFER_EXTRA = [
@@ -147,6 +148,17 @@ def _bench_model(name, model, sample, calibration, labelled, out_dir, runs, batc
     }
 
 
+def _other_weights(model: nn.Module, sample: np.ndarray, out_dir: Path) -> Path:
+    """An fp32 export of ``model`` with perturbed weights: a second model version of the same graph."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    path = out_dir / "model.onnx"
+    export_onnx(other, sample[:2], path, version="b")
+    return path
+
+
 def _install_mb() -> tuple[float | None, str]:
     """Download size of the ``infer`` extra's closure (what a torch-free device fetches)."""
     with tempfile.TemporaryDirectory(prefix="fedge-infer-dl-") as dest:
@@ -181,7 +193,7 @@ def main() -> None:
             "resnet18", resnet, images[32:], images[:32], (images[32:], agree), out_dir, max(6, runs // 10)
         )
         cnn_fp32 = out_dir / "cnn" / "model-fp32.onnx"
-        swap = swap_over_broker([cnn_fp32, out_dir / "cnn" / "model-int8-static.onnx"])
+        swap = swap_over_broker([cnn_fp32, _other_weights(cnn, test_x, out_dir / "cnn-b")])
         model_mb = cnn_fp32.stat().st_size / 1e6
         floor_mb = runtime_floor_rss()
     finally:

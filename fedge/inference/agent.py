@@ -21,6 +21,7 @@ paho-mqtt, cryptography).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -34,6 +35,7 @@ import numpy as np
 
 from fedge.atomic import write_bytes_atomic
 from fedge.config import ConfigError, check_types, from_table, read_toml
+from fedge.inference.distribution import Choice, VariantCollector, choose_variant, variant_artifact
 from fedge.inference.io import InputError, decode_array, encode_array
 from fedge.inference.manifest import Manifest, write_manifest
 from fedge.inference.serving import Canary, ModelServer
@@ -65,7 +67,14 @@ class InferenceAgentConfig:
     model_dir : str
         Where the serving model is kept across restarts (``model.onnx`` and its manifest).
     artifact : str, default "model"
-        The artifact name the coordinator publishes models under.
+        The artifact name the coordinator publishes models under (each variant as ``<artifact>-<variant>``).
+    variants : tuple of str, default ("fp32", "int8-static", "int8-dynamic")
+        The variants this device accepts. When a version comes in several, the device measures them on its
+        own CPU and serves the fastest whose accuracy is within ``max_accuracy_drop_pp`` of fp32.
+    serve_batch : int, default 1
+        The batch size the variants are measured at (what this device's requests look like).
+    max_accuracy_drop_pp : float, default 1.0
+        The accuracy bound of an int8 variant against fp32, in percentage points (from the manifests).
     instruction_keys : tuple of bytes, default ()
         Raw Ed25519 public keys of the coordinator; with any, only model headers it signed are accepted.
     max_model_bytes : int, default 256 MiB
@@ -88,6 +97,9 @@ class InferenceAgentConfig:
     mqtt: MqttConfig
     model_dir: str
     artifact: str = "model"
+    variants: tuple[str, ...] = ("fp32", "int8-static", "int8-dynamic")
+    serve_batch: int = 1
+    max_accuracy_drop_pp: float = 1.0
     instruction_keys: tuple[bytes, ...] = ()
     max_model_bytes: int = 256 * 1024 * 1024
     max_request_bytes: int = 4 * 1024 * 1024
@@ -99,7 +111,9 @@ class InferenceAgentConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        for key in ("max_model_bytes", "max_request_bytes", "max_batch", "status_every_s"):
+        if "fp32" not in self.variants:
+            raise ConfigError("variants must include fp32 (the reference every version is published in)")
+        for key in ("max_model_bytes", "max_request_bytes", "max_batch", "status_every_s", "serve_batch"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
         if not 0.0 <= self.canary_min_accuracy <= 1.0:
@@ -143,15 +157,21 @@ class InferenceAgent:
         self._status_thread: threading.Thread | None = None
         self.connection = MqttConnection(config.mqtt, f"{config.node_id}-infer", will=self._will)
         verifier = InstructionVerifier(config.instruction_keys) if config.instruction_keys else None
-        self.models = ArtifactSubscriber(
-            self.connection,
-            self.topics,
-            config.artifact,
-            self._on_model,
-            verifier=verifier,
-            max_size=config.max_model_bytes,
-            max_chunk_size=config.mqtt.transfer.max_chunk_size,
-        )
+        self.collector = VariantCollector(config.variants)
+        self.choice: Choice | None = None
+        self.subscribers = {
+            variant: ArtifactSubscriber(
+                self.connection,
+                self.topics,
+                variant_artifact(config.artifact, variant),
+                functools.partial(self._on_variant, variant),
+                verifier=verifier,
+                max_size=config.max_model_bytes,
+                max_chunk_size=config.mqtt.transfer.max_chunk_size,
+            )
+            for variant in config.variants
+        }
+        self._install_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -160,14 +180,16 @@ class InferenceAgent:
         if kept.is_file():
             result = self.server.load(kept, canary=self.canary)
             if result.ok:
-                self.models.current_version = result.version
+                for subscriber in self.subscribers.values():
+                    subscriber.current_version = result.version
                 log.info("serving kept model %s", result.version)
             else:
                 log.warning("kept model %s refused: %s", kept, result.message)
         self.connection.route_with_properties(
             self.topics.infer_request(self.config.node_id), self._on_request
         )
-        self.models.start()
+        for subscriber in self.subscribers.values():
+            subscriber.start()
         self.connection.start()
         if not self.connection.is_v5:
             log.warning(
@@ -181,7 +203,8 @@ class InferenceAgent:
         self._stop.set()
         if self._status_thread is not None:
             self._status_thread.join(timeout=10)
-        self.models.stop()
+        for subscriber in self.subscribers.values():
+            subscriber.stop()
         self.connection.publish(
             self.topics.infer_status(self.config.node_id), self._status(online=False), retain=True
         )
@@ -231,30 +254,74 @@ class InferenceAgent:
             log.warning("inference request failed (%s); further ones are counted in the status", reason)
 
     # -- models (the subscriber's worker) --------------------------------------------------------------
-    def _on_model(self, header: ArtifactHeader, data: bytes, received_at: float) -> None:
+    def _on_variant(self, variant: str, header: ArtifactHeader, data: bytes, received_at: float) -> None:
+        """One variant of a version arrived (a subscriber's worker thread); install the version once whole."""
         try:
-            manifest = Manifest.from_dict(header.meta) if header.meta else None
-            if manifest is not None:  # the artifact's version is the one the fleet knows the model by
-                manifest = manifest.with_(version=header.version)
+            manifest = Manifest.from_dict(header.meta)
         except (KeyError, TypeError, ValueError) as err:
-            manifest = None
-            log.warning("model %s has a malformed manifest (%s); checked without it", header.version, err)
+            self._log_swap(
+                header.version, variant, False, "manifest", f"malformed manifest: {err}", received_at
+            )
+            return
+        manifest = manifest.with_(
+            version=header.version
+        )  # the fleet knows the model by the artifact's version
+        candidates = self.collector.add(variant, header.version, data, manifest)
+        if candidates is not None:
+            with self._install_lock:  # one version at a time, whichever subscriber completed it
+                self._install(header.version, candidates, received_at)
+
+    def _install(self, version: str, candidates: dict, received_at: float) -> None:
+        """Choose among the candidates by measuring them here, then swap the chosen one in."""
+        choice = choose_variant(
+            candidates,
+            self._sample(candidates["fp32"][1]),
+            batch=self.config.serve_batch,
+            max_drop_pp=self.config.max_accuracy_drop_pp,
+            config=self.config.session,
+        )
+        data, manifest = candidates[choice.variant]
         swap_start = time.time()
-        result = self.server.swap(data, manifest, version=header.version, canary=self.canary)
+        result = self.server.swap(data, manifest, version=version, canary=self.canary)
+        if result.ok:
+            self.choice = choice
+            self._keep(data, manifest)
+        self._log_swap(
+            version, choice.variant, result.ok, result.reason, result.message, received_at, swap_start
+        )
+        self._publish_status()
+
+    def _sample(self, manifest: Manifest) -> np.ndarray:
+        """Inputs to measure variants on: the canary's, or zeros of the model's input shape."""
+        if self.canary is not None:
+            return self.canary.inputs
+        shape = [d if isinstance(d, int) else 1 for d in manifest.inputs[0].shape]
+        return np.zeros(shape, dtype=np.float32)
+
+    def _log_swap(
+        self,
+        version: str,
+        variant: str,
+        ok: bool,
+        reason: str,
+        message: str,
+        received_at: float,
+        swap_start: float | None = None,
+    ) -> None:
+        now = time.time()
         entry = {
-            "version": header.version,
-            "ok": result.ok,
-            "reason": result.reason,
-            "message": result.message,
+            "version": version,
+            "variant": variant,
+            "ok": ok,
+            "reason": reason,
+            "message": message,
             "received_at": received_at,
-            "swap_started_at": swap_start,
-            "swapped_at": time.time(),
-            "build_s": result.build_s,
+            "swap_started_at": swap_start or now,
+            "swapped_at": now,
         }
         self.swap_log.append(entry)
-        if result.ok:
-            self._keep(data, manifest)
-        self._publish_status()
+        if not ok:
+            log.warning("model %s (%s) refused: %s", version, variant, message)
 
     def _keep(self, data: bytes, manifest: Manifest | None) -> None:
         """Write the accepted model where a restart finds it (atomically: never half a model)."""
@@ -271,7 +338,7 @@ class InferenceAgent:
     def status(self) -> dict[str, Any]:
         """The serving status (what the retained status message carries)."""
         stats = self.server.stats()
-        models = self.models.stats
+        choice = self.choice
         return {
             "node_id": self.config.node_id,
             "online": True,
@@ -286,7 +353,14 @@ class InferenceAgent:
             "failed_requests": dict(self.failed_requests),
             "swaps": stats.swaps,
             "failed_swaps": stats.failed_swaps,
-            "models": dataclasses.asdict(models),
+            "variant": choice.variant if choice else "",
+            "variant_reason": choice.reason if choice else "",
+            "variant_latency_ms": {
+                m.variant: m.latency_ms[self.config.serve_batch][0] for m in choice.measurements
+            }
+            if choice
+            else {},
+            "models": {v: dataclasses.asdict(sub.stats) for v, sub in self.subscribers.items()},
             "swap_log": list(self.swap_log),
             "updated_at": time.time(),
         }

@@ -69,7 +69,7 @@ def measure_latency(
 
 
 def measure_variants(
-    paths: Mapping[str, str | Path],
+    paths: Mapping[str, str | Path | bytes],
     sample: np.ndarray,
     *,
     batches: tuple[int, ...] = (1, 32),
@@ -81,10 +81,15 @@ def measure_variants(
 ) -> list[VariantMeasurement]:
     """Measure latency (and accuracy on ``labelled`` data, else take ``accuracies``) of every variant.
 
+    ``paths`` maps each variant to its model file, or to the model's bytes.
+
     ``sample`` provides the inputs: its first rows, repeated as needed, form each batch. Variants are
     measured in turns, round-robin, so a burst of load on the device does not favour one of them.
     """
-    sessions = {name: make_session(str(path), config) for name, path in paths.items()}
+    sessions = {
+        name: make_session(model if isinstance(model, bytes) else str(model), config)
+        for name, model in paths.items()
+    }
     latency: dict[str, dict[int, list[tuple[float, float]]]] = {
         name: {b: [] for b in batches} for name in paths
     }
@@ -104,7 +109,9 @@ def measure_variants(
         per_batch = {
             b: tuple(float(v) for v in np.median(np.asarray(latency[name][b]), axis=0)) for b in batches
         }
-        results.append(VariantMeasurement(name, Path(paths[name]).stat().st_size, per_batch, accuracy))
+        model = paths[name]
+        size = len(model) if isinstance(model, bytes) else Path(model).stat().st_size
+        results.append(VariantMeasurement(name, size, per_batch, accuracy))
     return results
 
 

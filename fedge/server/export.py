@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -193,35 +193,44 @@ def export_variants(
     example_input: torch.Tensor | np.ndarray,
     out_dir: str | Path,
     *,
-    calibration: np.ndarray,
+    calibration: np.ndarray | None = None,
     labelled: tuple[np.ndarray, np.ndarray] | None = None,
     variants: Sequence[str] = VARIANTS,
     version: str = "",
     round: int = 0,
     stem: str = "model",
+    held_out: np.ndarray | None = None,
+    names: Mapping[str, str] | None = None,
     config: ExportConfig | None = None,
 ) -> dict[str, tuple[Path, Manifest]]:
     """Export fp32 and quantize it into the requested int8 variants, each with its own manifest.
 
-    ``calibration`` holds inputs (no labels) for the static quantizer; ``labelled`` the held-out set every
-    variant's accuracy is measured on, so a device can apply the accuracy bound without labels of its own.
-    Files are ``{stem}-{variant}.onnx`` in ``out_dir``.
+    ``calibration`` holds inputs (no labels) for the static quantizer (needed for ``int8-static`` only);
+    ``labelled`` the held-out set every variant's accuracy is measured on, so a device can apply the accuracy
+    bound without labels of its own. The fp32 file is verified on ``held_out`` (default: the first 8 rows of
+    ``calibration``, else ``example_input``). Files are ``{stem}-{variant}.onnx`` in ``out_dir``, unless
+    ``names`` maps a variant to its own file name.
     """
     from fedge.inference.quantize import quantize_dynamic_int8, quantize_static_int8
 
     unknown = set(variants) - set(VARIANTS)
     if unknown or "fp32" not in variants:
         raise ValueError(f"variants must include 'fp32' and be among {VARIANTS}, got {list(variants)}")
+    if "int8-static" in variants and calibration is None:
+        raise ValueError("the int8-static variant needs calibration inputs")
+    names = {variant: f"{stem}-{variant}.onnx" for variant in VARIANTS} | dict(names or {})
+    if held_out is None and calibration is not None:
+        held_out = calibration[:8]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fp32_path = out_dir / f"{stem}-fp32.onnx"
+    fp32_path = out_dir / names["fp32"]
     fp32 = export_onnx(
         model,
         example_input,
         fp32_path,
         version=version,
         round=round,
-        held_out=calibration[:8],
+        held_out=held_out,
         labelled=labelled,
         config=config,
     )
@@ -229,7 +238,7 @@ def export_variants(
     for variant in variants:
         if variant == "fp32":
             continue
-        path = out_dir / f"{stem}-{variant}.onnx"
+        path = out_dir / names[variant]
         try:
             if variant == "int8-static":
                 quantize_static_int8(fp32_path, path, calibration, input_name=fp32.inputs[0].name)

@@ -6,8 +6,9 @@ record clients train with and a central evaluation) and drives Flower's ``Strate
 Grid, recording per-round accuracy, traffic and the strategy's own figures in a :class:`RunHistory`.
 
 After each round the order is fixed: the round's metrics are recorded, ``on_round_end`` runs (the
-coordinator writes its checkpoint there), and only then are listeners told (status files, progress bars),
-so nothing outside the process learns of a round before it is durable.
+coordinator writes its checkpoint there), the run's exporter (if any) exports the global model to ONNX and
+adds its outcome to the round's metrics, ``metrics.json`` is rewritten, and only then are listeners told
+(status files, progress bars), so nothing outside the process learns of a round before it is durable.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -26,6 +27,9 @@ from flwr.serverapp.strategy import Strategy
 
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
 from fedge.server.metered_grid import MeteredGrid
+
+if TYPE_CHECKING:
+    from fedge.server.model_export import ModelExporter
 
 __all__ = ["FederatedRun", "ResumePoint", "RoundEnd", "RunFailed", "run_rounds"]
 
@@ -71,6 +75,10 @@ class FederatedRun:
     max_failed_rounds : int (default: 3)
         Stop with :class:`RunFailed` after this many consecutive rounds in which no client update was
         accepted (0 never stops); a run that ends without a single accepted update fails too.
+    exporter : ModelExporter, optional
+        Exports the global model to ONNX after rounds (:mod:`fedge.server.model_export`), after
+        ``on_round_end`` and before ``metrics.json`` is written; it records its outcome in the round's
+        metrics and never stops the run.
     """
 
     strategy: Strategy
@@ -85,6 +93,7 @@ class FederatedRun:
     round_extras: Callable[[], Mapping[str, float]] | None = None
     target_accuracy: float = 0.0
     max_failed_rounds: int = 3
+    exporter: ModelExporter | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,10 @@ def run_rounds(
             history.rounds.append(metrics)
             if on_round_end is not None:
                 on_round_end(server_round, arrays, history)
+            if run.exporter is not None:
+                reached = bool(run.target_accuracy) and metrics.accuracy >= run.target_accuracy
+                final = server_round >= run.num_rounds or reached
+                run.exporter.after_round(server_round, arrays, history, final=final)
             if run.out_dir:  # people (and tools) can follow a long run in metrics.json
                 history.write(run.out_dir)
             history.notify(metrics)

@@ -9,12 +9,16 @@ one from its config in :mod:`fedge.app.coordinator`). Files in ``state_dir``:
     One line per reply: which node's update was accepted (or rejected, and why) for which round, and a
     commit line per round written after its checkpoint (:mod:`fedge.server.audit`).
 ``status.json``
-    Round, online nodes, their device profiles, dropped replies and last accuracy, refreshed every few
-    seconds (what ``fedge status`` shows).
+    Round, online nodes, their device profiles, dropped replies, last accuracy and the model export's state
+    (latest version, failures, last error), refreshed every few seconds (what ``fedge status`` shows).
+
+When the run has an exporter (:mod:`fedge.server.model_export`), every verified export is handed to
+``on_model_exported`` (the transport's model publisher) after the round's checkpoint is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +26,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +41,15 @@ from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog
 from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.server.model_export import ExportedModel
+from fedge.server.model_publish import ModelDistributor
 from fedge.server.runner import FederatedRun, ResumePoint, run_rounds
+from fedge.transport.artifact_channel import ArtifactPublisher
 from fedge.transport.config import MqttConfig
+from fedge.transport.connection import MqttConnection
 from fedge.transport.grid import MqttGrid
+from fedge.transport.signing import InstructionSigner
+from fedge.transport.topics import Topics
 
 __all__ = ["STATUS_FILE", "ServiceConfig", "read_status", "run_service"]
 
@@ -72,6 +82,9 @@ class ServiceConfig:
     instruction_key_file : str, optional
         The coordinator's Ed25519 private key (PEM, ``deploy/make-passwords.sh`` makes it); when set, every
         instruction is signed, and agents holding the public key refuse instructions it did not sign.
+    publish_models : bool (default: True)
+        Publish every verified export to the fleet's inference devices (``fedge serve``) as retained,
+        chunked artifacts, signed with ``instruction_key_file`` when it is set.
     """
 
     mqtt: MqttConfig = field(default_factory=MqttConfig)
@@ -82,6 +95,7 @@ class ServiceConfig:
     node_keys_dir: str | None = None
     run_id: int = 1
     instruction_key_file: str | None = None
+    publish_models: bool = True
 
     def __post_init__(self) -> None:
         if not self.state_dir:
@@ -110,6 +124,7 @@ def run_service(
     *,
     resume: bool = False,
     listeners: Iterable[RoundListener] = (),
+    on_model_exported: Callable[[ExportedModel], None] | None = None,
 ) -> RunHistory:
     """Wait for ``run.min_nodes`` nodes, run the remaining rounds over MQTT, checkpoint and audit each one.
 
@@ -124,8 +139,42 @@ def run_service(
         Continue after the last completed round in ``state_dir`` (a fresh start if there is none).
     listeners : iterable of callables, optional
         Told of each completed round, after its checkpoint is written.
+    on_model_exported : callable(ExportedModel), optional
+        Told of each verified ONNX export of the global model (needs ``run.exporter``), e.g. to publish it
+        to devices; an exception in it is logged and counted (``export_publish_failures``), never raised.
     """
     state_dir = Path(config.state_dir)
+    with contextlib.ExitStack() as stack:
+        if on_model_exported is None and config.publish_models and run.exporter is not None:
+            on_model_exported = stack.enter_context(_model_distributor(config))
+        return _run_service(config, run, resume, listeners, on_model_exported, state_dir)
+
+
+@contextlib.contextmanager
+def _model_distributor(config: ServiceConfig) -> Iterator[ModelDistributor]:
+    """A distributor on a connection of its own: the Grid's channel is per node, artifacts are fleet-wide."""
+    signer = InstructionSigner.from_file(config.instruction_key_file) if config.instruction_key_file else None
+    connection = MqttConnection(config.mqtt, f"fedge-models-{config.mqtt.fleet}")
+    connection.start()
+    try:
+        yield ModelDistributor(ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer))
+    finally:
+        connection.close()
+
+
+def _run_service(
+    config: ServiceConfig,
+    run: FederatedRun,
+    resume: bool,
+    listeners: Iterable[RoundListener],
+    on_model_exported: Callable[[ExportedModel], None] | None,
+    state_dir: Path,
+) -> RunHistory:
+    if on_model_exported is not None:
+        if run.exporter is None:
+            log.warning("on_model_exported is set but the run exports no model (export_every is 0)")
+        else:
+            run = dataclasses.replace(run, exporter=run.exporter.with_on_export(on_model_exported))
     state_dir.mkdir(parents=True, exist_ok=True)
     resume_point = load_checkpoint(state_dir) if resume else None
     if resume_point is not None:
@@ -208,6 +257,20 @@ def read_status(state_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"no coordinator status in {state_dir}: {err}") from None
 
 
+_EXPORT_STATUS: dict[str, Any] = {
+    "export_version": None,
+    "export_failures": 0,
+    "export_publish_failures": 0,
+    "last_export_error": None,
+}
+"""The model export's state in status.json before any round says otherwise."""
+
+
+def _export_state(metrics: RoundMetrics) -> dict[str, Any]:
+    """What a round's metrics say of the model export: latest version, failures so far, last error."""
+    return {key: metrics.extra[key] for key in _EXPORT_STATUS if key in metrics.extra}
+
+
 class _StatusWriter:
     """Refreshes ``status.json`` every two seconds from a background thread."""
 
@@ -216,11 +279,15 @@ class _StatusWriter:
         last = resume.history.rounds[-1] if resume and resume.history.rounds else None
         self._round = resume.completed_round if resume else 0
         self._accuracy = last.accuracy if last else None
+        self._export: dict[str, Any] = dict(_EXPORT_STATUS)
+        for row in resume.history.rounds if resume else ():
+            self._export.update(_export_state(row))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fedge-status", daemon=True)
 
     def on_round(self, metrics: RoundMetrics) -> None:
         self._round, self._accuracy = metrics.round, metrics.accuracy
+        self._export.update(_export_state(metrics))
         self._write()
 
     def _write(self) -> None:
@@ -233,6 +300,7 @@ class _StatusWriter:
             "profiles": {name: p.to_json() for name, p in sorted(self._grid.profiles.items())},
             "dropped_replies": dict(self._grid.dropped),
             "transport_drops": self._grid.endpoint.drop_counts(),
+            **self._export,
             "updated_at": time.time(),
             "pid": os.getpid(),
         }

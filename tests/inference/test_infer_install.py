@@ -25,6 +25,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from fedge.inference.distribution import publish_model
 from fedge.inference.remote import InferenceClient, InferenceError
 from fedge.localnet import MosquittoBroker
 from fedge.transport import MqttConfig
@@ -115,7 +116,7 @@ def test_infer_only_venv_serves_and_swaps_mid_stream(infer_venv, variants, digit
         publisher = ArtifactPublisher(coordinator, Topics(fleet))
         fp32_path, fp32 = variants["fp32"]
         int8_path, int8 = variants["int8-static"]
-        publisher.publish("model", "v1", fp32_path.read_bytes(), fp32.to_dict())
+        publish_model(publisher, "v1", {"fp32": (fp32_path.read_bytes(), fp32)})
         (tmp_path / "infer.toml").write_text(
             f'node_id = "dev-1"\nmodel_dir = "{tmp_path / "models"}"\nstatus_every_s = 0.5\n\n'
             f'[mqtt]\nbroker_url = "{broker.url}"\nfleet = "{fleet}"\nreconnect_max_s = 0.5\n'
@@ -147,7 +148,11 @@ def test_infer_only_venv_serves_and_swaps_mid_stream(infer_venv, variants, digit
                 thread = threading.Thread(target=stream)
                 thread.start()
                 _until(lambda: len(answers) >= 20, agent)
-                publisher.publish("model", "v2", int8_path.read_bytes(), int8.to_dict())
+                files = {
+                    "fp32": (fp32_path.read_bytes(), fp32),
+                    "int8-static": (int8_path.read_bytes(), int8),
+                }
+                publish_model(publisher, "v2", files)
                 _until(lambda: answers and answers[-1] == "v2", agent)
                 count = len(answers)
                 _until(lambda: len(answers) >= count + 20, agent)

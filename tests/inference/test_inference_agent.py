@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -14,6 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
+from fedge.inference.distribution import publish_model
 from fedge.inference.remote import InferenceClient, InferenceError
 from fedge.inference.serving import ModelServer
 from fedge.localnet import MosquittoBroker
@@ -58,7 +60,8 @@ def _wait(condition: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 def _publish(publisher: ArtifactPublisher, path, manifest, version: str) -> ArtifactHeader:
-    return publisher.publish("model", version, path.read_bytes(), manifest.to_dict())
+    (header,) = publish_model(publisher, version, {"fp32": (path.read_bytes(), manifest)})
+    return header
 
 
 def _agent(mqtt, tmp_path, **fields) -> InferenceAgent:
@@ -97,7 +100,8 @@ def test_device_serves_published_model_and_swaps_mid_stream(
         thread = threading.Thread(target=stream)
         thread.start()
         _wait(lambda: len(answers) >= 20)
-        _publish(publisher, int8_path, int8, "v2")
+        files = {"fp32": (fp32_path.read_bytes(), fp32), "int8-static": (int8_path.read_bytes(), int8)}
+        publish_model(publisher, "v2", files)  # the device measures both here and serves the faster
         _wait(lambda: agent.server.serving_version == "v2")
         count = len(answers)
         _wait(lambda: len(answers) >= count + 20)
@@ -107,8 +111,13 @@ def test_device_serves_published_model_and_swaps_mid_stream(
         versions = [v for v, _ in answers]
         assert versions[0] == "v1" and versions[-1] == "v2"
         assert versions == sorted(versions), "answers went back to the old model after the swap"
-        np.testing.assert_allclose(client.predict("dev-1", x).outputs, expected["v2"].predict(x), atol=1e-5)
         status = agent.status()
+        chosen = status["variant"]
+        assert set(status["variant_latency_ms"]) == {"fp32", "int8-static"}
+        fastest = min(status["variant_latency_ms"], key=status["variant_latency_ms"].get)
+        assert chosen == fastest or (chosen == "fp32" and "not faster" in status["variant_reason"])
+        local = expected["v2"] if chosen == "int8-static" else expected["v1"]
+        np.testing.assert_allclose(client.predict("dev-1", x).outputs, local.predict(x), atol=1e-5)
         assert status["swaps"] == 2 and status["version"] == "v2"
         assert [entry["version"] for entry in status["swap_log"]] == ["v1", "v2"]
         assert status["latency_ms"]["count"] >= count and status["latency_ms"]["p99"] > 0
@@ -117,9 +126,9 @@ def test_device_serves_published_model_and_swaps_mid_stream(
     with _agent(mqtt, tmp_path) as again:
         assert again.server.serving_version == "v2"
         # The retained v2 header arrives on subscribing and must not start a transfer.
-        _wait(lambda: again.models.stats.headers_seen >= 1)
+        _wait(lambda: again.subscribers["fp32"].stats.headers_seen >= 1)
         status = again.status()
-        assert status["models"]["receiving"] == "" and status["models"]["delivered"] == 0
+        assert status["models"]["fp32"]["receiving"] == "" and status["models"]["fp32"]["delivered"] == 0
 
 
 def test_unsigned_and_corrupt_models_are_refused_and_old_model_keeps_serving(
@@ -136,15 +145,17 @@ def test_unsigned_and_corrupt_models_are_refused_and_old_model_keeps_serving(
         _publish(signed, fp32_path, fp32, "good")
         _wait(lambda: agent.server.serving_version == "good")
         _publish(unsigned, fp32_path, fp32, "forged")
-        _wait(lambda: agent.models.stats.headers_refused == 1)
+        _wait(lambda: agent.subscribers["fp32"].stats.headers_refused == 1)
         # Signed, but the bytes are not an ONNX model: built beside the old one, refused, old one serves.
         garbage = np.random.default_rng(0).bytes(5000)
-        signed.publish("model", "broken", garbage, {})
+        publish_model(
+            signed, "broken", {"fp32": (garbage, fp32.with_(sha256=hashlib.sha256(garbage).hexdigest()))}
+        )
         _wait(lambda: agent.status()["failed_swaps"].get("load", 0) == 1)
         assert client.predict("dev-1", x).version == "good"
         status = agent.status()
-        assert status["models"]["refused_reasons"] == {"header": 1}
-        assert "not signed" in status["models"]["last_error"]
+        assert status["models"]["fp32"]["refused_reasons"] == {"header": 1}
+        assert "not signed" in status["models"]["fp32"]["last_error"]
         assert [e["ok"] for e in status["swap_log"]] == [True, False]
 
 
@@ -173,24 +184,23 @@ def test_transfer_interrupted_mid_way_resumes_from_retained_chunks(mqtt, coordin
     topics = Topics(coordinator.config.fleet)
     fp32_path, fp32 = variants["fp32"]
     data = fp32_path.read_bytes()
-    header = ArtifactHeader.for_data("model", "v1", data, 8 * 1024, fp32.to_dict())
+    header = ArtifactHeader.for_data("model-fp32", "v1", data, 8 * 1024, fp32.to_dict())
     chunks = split_chunks(data, header.chunk_size)
     half = len(chunks) // 2
     for index in range(half):
-        coordinator.publish(topics.artifact_chunk("model", "v1", index), chunks[index], retain=True)
-    coordinator.publish(topics.artifact("model"), header.encode(), retain=True)
+        coordinator.publish(topics.artifact_chunk("model-fp32", "v1", index), chunks[index], retain=True)
+    coordinator.publish(topics.artifact("model-fp32"), header.encode(), retain=True)
     with _agent(mqtt, tmp_path) as agent:
-        _wait(lambda: agent.models.stats.receiving == "v1")
+        subscriber = agent.subscribers["fp32"]
+        _wait(lambda: subscriber.stats.receiving == "v1")
         _wait(
-            lambda: (
-                agent.models._assembler is not None and agent.models._assembler.missing == len(chunks) - half
-            )
+            lambda: subscriber._assembler is not None and subscriber._assembler.missing == len(chunks) - half
         )
         agent.connection.drop_link()
         for index in range(half, len(chunks)):
-            coordinator.publish(topics.artifact_chunk("model", "v1", index), chunks[index], retain=True)
+            coordinator.publish(topics.artifact_chunk("model-fp32", "v1", index), chunks[index], retain=True)
         _wait(lambda: agent.server.serving_version == "v1")
-        stats = agent.models.stats
+        stats = subscriber.stats
         assert stats.delivered == 1 and stats.transfers_abandoned == 0
         assert agent.connection.connects >= 2
         kept = json.loads((tmp_path / "dev-1" / "model.onnx.json").read_text())

@@ -1,0 +1,116 @@
+"""Model versions as artifacts: how the coordinator publishes the variants of a version, how a device
+gathers them and picks the one to serve by measuring them on its own CPU.
+
+Each variant of a version travels as its own artifact, ``<artifact>-<variant>`` (``model-fp32``,
+``model-int8-static``, ...), all under the same version, with the ONNX manifest as the artifact's meta. The
+manifest's ``extra["variants"]`` lists every variant published for the version, so a device knows when it
+holds all those it accepts, whatever order they arrive in. fp32 is published last: a device that accepts
+only fp32 never waits for the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedge.inference.manifest import Manifest
+from fedge.inference.select import Selection, VariantMeasurement, measure_variants, select_variant
+from fedge.inference.session import SessionConfig
+from fedge.transport.artifact_channel import ArtifactPublisher
+from fedge.transport.artifacts import ArtifactHeader
+
+__all__ = ["Candidates", "Choice", "VariantCollector", "choose_variant", "publish_model", "variant_artifact"]
+
+Candidates = dict[str, tuple[bytes, Manifest]]
+"""Variant name → (model bytes, manifest) of one version."""
+
+
+def variant_artifact(artifact: str, variant: str) -> str:
+    """The artifact name one variant travels under."""
+    return f"{artifact}-{variant}"
+
+
+def publish_model(
+    publisher: ArtifactPublisher,
+    version: str,
+    files: Mapping[str, tuple[bytes, Manifest]],
+    *,
+    artifact: str = "model",
+) -> list[ArtifactHeader]:
+    """Publish every variant of ``version`` (fp32 last); returns the headers sent."""
+    if "fp32" not in files:
+        raise ValueError("a model version must include its fp32 variant (the reference every device accepts)")
+    names = sorted(files)
+    headers = []
+    for variant in sorted(names, key=lambda v: v == "fp32"):
+        data, manifest = files[variant]
+        meta = manifest.with_(version=version, extra={**manifest.extra, "variants": names}).to_dict()
+        headers.append(publisher.publish(variant_artifact(artifact, variant), version, data, meta))
+    return headers
+
+
+class VariantCollector:
+    """Gathers the variants of model versions as they arrive, from any number of threads.
+
+    Parameters
+    ----------
+    accepted : tuple of str
+        The variants this device accepts; fp32 must be one of them.
+    """
+
+    def __init__(self, accepted: tuple[str, ...]) -> None:
+        if "fp32" not in accepted:
+            raise ValueError("a device must accept the fp32 variant")
+        self.accepted = accepted
+        self._lock = threading.Lock()
+        self._pending: dict[str, Candidates] = {}
+
+    def add(self, variant: str, version: str, data: bytes, manifest: Manifest) -> Candidates | None:
+        """Store one variant; the version's candidates once every expected variant is in, else None."""
+        expected = set(manifest.extra.get("variants", [variant])) & set(self.accepted)
+        with self._lock:
+            candidates = self._pending.setdefault(version, {})
+            candidates[variant] = (data, manifest)
+            if not expected <= set(candidates):
+                return None
+            del self._pending[version]
+            for older in [v for v in self._pending if v < version]:
+                del self._pending[older]  # superseded before it was complete
+            return candidates
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant a device chose for a version, with what it measured."""
+
+    variant: str
+    reason: str
+    measurements: tuple[VariantMeasurement, ...] = ()
+
+
+def choose_variant(
+    candidates: Candidates,
+    sample: np.ndarray,
+    *,
+    batch: int = 1,
+    max_drop_pp: float = 1.0,
+    runs: int = 20,
+    config: SessionConfig | None = None,
+) -> Choice:
+    """Measure every candidate on this CPU at ``batch`` and pick the fastest within the accuracy bound.
+
+    Accuracy is the manifest's (measured by the coordinator on held-out data). With fp32 alone there is
+    nothing to measure.
+    """
+    if set(candidates) == {"fp32"}:
+        return Choice("fp32", "only fp32 was published")
+    models = {variant: data for variant, (data, _) in candidates.items()}
+    accuracies = {v: m.accuracy for v, (_, m) in candidates.items() if m.accuracy is not None}
+    measured = measure_variants(
+        models, sample, batches=(batch,), accuracies=accuracies, config=config, runs=runs, warmup=2
+    )
+    selection: Selection = select_variant(measured, batch, max_drop_pp=max_drop_pp)
+    return Choice(selection.variant, selection.reason, tuple(measured))

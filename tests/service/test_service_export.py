@@ -1,0 +1,88 @@
+"""The coordinator service exports the global model after every round by default, hands each export to
+``on_model_exported`` and shows the export's state in status.json."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fedge.app.config import AppConfig
+from fedge.app.coordinator import CoordinatorConfig, run_coordinator
+from fedge.client.agent import AgentConfig, DeviceAgent
+from fedge.inference import read_manifest, sha256_file
+from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
+from fedge.server.model_export import ExportedModel, read_latest
+from fedge.server.service import ServiceConfig
+
+
+def test_the_service_exports_every_round_and_survives_a_failing_publisher(mqtt, tmp_path):
+    agent = DeviceAgent(
+        AgentConfig(
+            node_id="ada",
+            mqtt=mqtt(),
+            state_dir=str(tmp_path / "agent"),
+            node_config={"partition-id": 0, "num-partitions": 1},
+        )
+    )
+    published: list[ExportedModel] = []
+
+    def publish(exported: ExportedModel) -> None:
+        published.append(exported)
+        if exported.server_round == 1:
+            raise ConnectionError("broker went away")
+
+    agent.start()
+    try:
+        state_dir = tmp_path / "coordinator"
+        service = ServiceConfig(mqtt=mqtt(), state_dir=str(state_dir), wait_for_nodes_s=60.0)
+        app = AppConfig(rounds=2, local_epochs=1, min_nodes=1)  # no out_dir: models go to state_dir
+        history = run_coordinator(CoordinatorConfig(service=service, app=app), on_model_exported=publish)
+    finally:
+        agent.close()
+    assert [r.extra["export_version"] for r in history.rounds] == ["r0001", "r0002"]
+    assert [e.version for e in published] == ["r0001", "r0002"]
+    assert history.rounds[0].extra["export_publish_failures"] == 1
+    for exported in published:
+        manifest = read_manifest(exported.files["fp32"])
+        assert manifest.round == exported.server_round
+        assert manifest.sha256 == sha256_file(exported.files["fp32"])
+    assert read_latest(state_dir) == published[-1]
+    status = json.loads((state_dir / "status.json").read_text())
+    assert status["export_version"] == "r0002"
+    assert status["export_failures"] == 0 and status["export_publish_failures"] == 1
+    assert status["last_export_error"] == "on_export: ConnectionError: broker went away"
+
+
+def test_the_service_publishes_each_export_and_an_inference_device_serves_the_last(mqtt, tmp_path):
+    """Coordinator, training agent and torch-free inference agent on one real broker: the device ends up
+    serving the last round's model, chosen among the variants by measuring them itself."""
+    trainer = DeviceAgent(
+        AgentConfig(
+            node_id="ada",
+            mqtt=mqtt(),
+            state_dir=str(tmp_path / "agent"),
+            node_config={"partition-id": 0, "num-partitions": 1},
+        )
+    )
+    device = InferenceAgent(
+        InferenceAgentConfig(node_id="cam", mqtt=mqtt(), model_dir=str(tmp_path / "cam"), status_every_s=0.2)
+    )
+    trainer.start()
+    device.start()
+    try:
+        service = ServiceConfig(mqtt=mqtt(), state_dir=str(tmp_path / "coordinator"), wait_for_nodes_s=60.0)
+        app = AppConfig(rounds=2, local_epochs=1, min_nodes=1, export_variants=["fp32", "int8-dynamic"])
+        history = run_coordinator(CoordinatorConfig(service=service, app=app))
+        deadline = time.monotonic() + 60
+        while device.server.serving_version != "r0002":
+            assert time.monotonic() < deadline, device.status()
+            time.sleep(0.02)
+        status = device.status()
+    finally:
+        trainer.close()
+        device.stop()
+    assert history.rounds[-1].extra["export_version"] == "r0002"
+    assert set(status["variant_latency_ms"]) == {"fp32", "int8-dynamic"}
+    assert status["variant"] in ("fp32", "int8-dynamic") and status["swaps"] >= 1
+    served = read_manifest(tmp_path / "cam" / "model.onnx")
+    assert served.version == "r0002" and served.round == 2 and served.variant == status["variant"]
