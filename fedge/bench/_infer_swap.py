@@ -4,12 +4,16 @@ A Mosquitto on a free port; the inference agent as its own process (the torch-fr
 requester sending one request every 10 ms (100 requests/s, paced by the clock, not by answers); the
 coordinator's :class:`~fedge.transport.artifact_channel.ArtifactPublisher` publishing ``swaps`` new
 versions, alternating two fp32 model files (two different sets of weights; one variant per version, so a
-swap measures no variants). The agent's status gives each swap's window, from the moment the
-new version's header arrived to the moment the new session serves (wall clock, the same machine's).
+swap measures no variants). The agent's status gives each replica's swap window, from the moment it starts
+installing the new version (built and warmed beside the old one; with two replicas, after leaving the
+request group) to the moment the new session serves; and the transfer before it, from the moment the new
+version's header arrived (wall clock, the same machine's).
 
 Figures: failed requests (error answers or no answer within 5 s), requests whose flight overlaps a swap
-window, and ``pause_p99_ms`` = p99 latency of those requests minus p99 latency of the requests outside
-every window (what a swap adds to the tail; MQTT's own jitter is in both). Also the agent process's RSS
+window, and ``pause_p99_ms`` = p99 latency of those requests minus p99 latency of the requests clear of
+every transfer and swap (what a swap adds to the tail; MQTT's own jitter is in both). The same with the
+transfers counted in (``with_transfer_*``): moving a model through the broker, which is single-threaded,
+delays requests too, but that is the link's cost, not the swap's. Also the agent process's RSS
 and, for comparison, the RSS of a bare ``import numpy, onnxruntime`` process (the runtime's floor).
 """
 
@@ -41,8 +45,8 @@ _FLEET = "bench"
 _NODE = "dev-1"
 
 
-def swap_over_broker(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0) -> dict:
-    """Run the swap test; see the module docstring for what the figures mean."""
+def swap_over_broker(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0, replicas: int = 1) -> dict:
+    """Run the swap test with ``replicas`` serving processes; see the module docstring for the figures."""
     models = [(p.read_bytes(), read_manifest(p)) for p in paths]
     with (
         tempfile.TemporaryDirectory(prefix="fedge-swap-") as tmp,
@@ -50,39 +54,61 @@ def swap_over_broker(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0)
     ):
         config = MqttConfig(broker_url=broker.url, fleet=_FLEET, reconnect_max_s=0.5)
         topics = Topics(_FLEET)
-        statuses: list[dict] = []
+        statuses: dict[int, list[dict]] = {r: [] for r in range(replicas)}
         coordinator = MqttConnection(config, "bench-coordinator")
-        coordinator.route(
-            topics.infer_status(_NODE), lambda _t, p: statuses.append(json.loads(p)) if p else None
-        )
+        for r in range(replicas):
+            topic = topics.infer_status(_NODE) + (f"/{r}" if r else "")
+            coordinator.route(topic, lambda _t, p, r=r: statuses[r].append(json.loads(p)) if p else None)
         coordinator.start()
         publisher = ArtifactPublisher(coordinator, topics)
         publish_model(publisher, "v0", {"fp32": models[0]})
-        agent = _start_agent(Path(tmp), broker.url)
+        agent = _start_agent(Path(tmp), broker.url, replicas)
         try:
-            _wait(lambda: any(s.get("version") == "v0" for s in statuses), 60, agent)
+            _wait(lambda: all(_latest(statuses[r], "version") == "v0" for r in statuses), 60, agent)
             records, failures = _drive(config, publisher, models, swaps, rate_hz, statuses, agent)
             rss = _rss(agent.pid)
-            final = statuses[-1]
+            finals = [statuses[r][-1] for r in statuses]
         finally:
             agent.terminate()
             agent.wait(30)
             coordinator.close()
-    windows = [(e["received_at"], e["swapped_at"]) for e in final["swap_log"] if e["version"] != "v0"]
+    logs = [[e for e in final["swap_log"] if e["version"] != "v0"] for final in finals]
+    swaps_only = [(e["install_at"], e["swapped_at"]) for log in logs for e in log]  # every replica's
+    with_transfer = [(e["received_at"], e["swapped_at"]) for log in logs for e in log]
     return {
-        **_pause_figures(records, windows),
+        **_pause_figures(records, swaps_only, with_transfer),
+        **{f"with_transfer_{k}": v for k, v in _pause_figures(records, with_transfer, with_transfer).items()},
+        # The control: the same statistic over windows 80 ms after each swap, when nothing happens (swaps are
+        # at least 200 ms apart). What it shows is the measurement's own noise on this machine.
+        "null_pause_p99_ms": _pause_figures(
+            records, shifted := _shift(swaps_only, 0.08), with_transfer + shifted
+        )["pause_p99_ms"],
         **failures,
         **rss,
-        "swaps_ok": sum(e["ok"] for e in final["swap_log"] if e["version"] != "v0"),
-        "version": final["version"],
-        "agent_latency_ms": final["latency_ms"],
+        "replicas": replicas,
+        "swaps_ok": min(sum(e["ok"] for e in log) for log in logs),
+        "version": finals[0]["version"],
+        "agent_latency_ms": finals[0]["latency_ms"],
     }
 
 
-def _start_agent(tmp: Path, broker_url: str) -> subprocess.Popen:
+def _shift(windows: list[tuple[float, float]], by_s: float) -> list[tuple[float, float]]:
+    return [(start + by_s, end + by_s) for start, end in windows]
+
+
+def _latest(statuses: list[dict], key: str):
+    return statuses[-1].get(key) if statuses else None
+
+
+def _all_swapped(statuses: dict[int, list[dict]], count: int) -> bool:
+    """Whether every replica's latest status counts ``count`` swaps (the first load is one)."""
+    return all((_latest(s, "swaps") or 0) >= count for s in statuses.values())
+
+
+def _start_agent(tmp: Path, broker_url: str, replicas: int) -> subprocess.Popen:
     config = tmp / "infer.toml"
     config.write_text(
-        f'node_id = "{_NODE}"\nmodel_dir = "{tmp / "agent"}"\nstatus_every_s = 0.5\n\n'
+        f'node_id = "{_NODE}"\nmodel_dir = "{tmp / "agent"}"\nstatus_every_s = 0.5\nreplicas = {replicas}\n\n'
         f'[mqtt]\nbroker_url = "{broker_url}"\nfleet = "{_FLEET}"\nreconnect_max_s = 0.5\n'
     )
     return subprocess.Popen(
@@ -116,7 +142,7 @@ def _drive(config, publisher, models, swaps, rate_hz, statuses, agent) -> tuple[
         for i in range(1, swaps + 1):
             data, manifest = models[i % len(models)]
             publish_model(publisher, f"v{i}", {"fp32": (data, manifest)})
-            _wait(lambda i=i: any(s.get("swaps", 0) >= i + 1 for s in statuses), 60, agent)
+            _wait(lambda i=i: _all_swapped(statuses, i + 1), 60, agent)
             stop.wait(0.2)
         count = len(records)
         _wait(lambda: len(records) >= count + rate_hz // 2, 30, agent)
@@ -126,26 +152,32 @@ def _drive(config, publisher, models, swaps, rate_hz, statuses, agent) -> tuple[
         for future in pending:  # every request sent gets its answer or counts as failed
             with contextlib.suppress(Exception):
                 future.result(max(0.0, deadline - time.monotonic()))
-        _wait(lambda: statuses and statuses[-1].get("swaps", 0) >= swaps + 1, 30, agent)
+        _wait(lambda: _all_swapped(statuses, swaps + 1), 30, agent)
     unanswered = sum(not f.done() for f in pending)
     return records, {
         "requests": len(pending),
-        "failed_requests": sum(not ok for *_, ok in records) + unanswered,
+        "failed_requests": sum(not r[2] for r in records) + unanswered,
     }
 
 
 def _record(future, sent_wall: float, sent: float) -> tuple[float, float, bool]:
     latency = time.perf_counter() - sent
     ok = future.exception() is None and isinstance(future.result(), Prediction)
-    return sent_wall, latency, ok
+    return sent_wall, latency, ok, future.result().replica if ok else -1
 
 
-def _pause_figures(records: list[tuple[float, float, bool]], windows: list[tuple[float, float]]) -> dict:
-    def overlaps(sent: float, latency: float) -> bool:
-        return any(start <= sent + latency and sent <= end for start, end in windows)
+def _pause_figures(
+    records: list[tuple[float, float, bool]],
+    windows: list[tuple[float, float]],
+    busy: list[tuple[float, float]],
+) -> dict:
+    """Latency of the requests in flight during ``windows`` against those clear of every ``busy`` window."""
 
-    during = np.asarray([lat for sent, lat, ok in records if ok and overlaps(sent, lat)]) * 1e3
-    outside = np.asarray([lat for sent, lat, ok in records if ok and not overlaps(sent, lat)]) * 1e3
+    def overlaps(sent: float, latency: float, spans: list[tuple[float, float]]) -> bool:
+        return any(start <= sent + latency and sent <= end for start, end in spans)
+
+    during = np.asarray([lat for sent, lat, ok, _ in records if ok and overlaps(sent, lat, windows)]) * 1e3
+    outside = np.asarray([lat for sent, lat, ok, _ in records if ok and not overlaps(sent, lat, busy)]) * 1e3
     p99_out = float(np.percentile(outside, 99)) if outside.size else 0.0
     p99_during = float(np.percentile(during, 99)) if during.size else p99_out
     return {
@@ -160,15 +192,21 @@ def _pause_figures(records: list[tuple[float, float, bool]], windows: list[tuple
 
 
 def _rss(pid: int) -> dict:
-    """The agent process's memory, and whether it mapped torch's library (it must not)."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    kb = {key: int(status[key].split()[0]) for key in ("VmRSS", "RssAnon", "RssFile")}
-    maps = Path(f"/proc/{pid}/maps").read_text()
+    """Memory of the agent and its replica processes, and whether any mapped torch (none may)."""
+    pids = [pid, *map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
+    totals = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+    loaded_torch = False
+    for each in pids:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{each}/status").read_text().splitlines())
+        for key in totals:
+            totals[key] += int(status[key].split()[0])
+        loaded_torch |= "libtorch" in Path(f"/proc/{each}/maps").read_text()
     return {
-        "agent_rss_mb": kb["VmRSS"] / 1024,
-        "agent_anon_mb": kb["RssAnon"] / 1024,
-        "agent_file_mb": kb["RssFile"] / 1024,
-        "agent_loaded_torch": "libtorch" in maps,
+        "processes": len(pids),
+        "agent_rss_mb": totals["VmRSS"] / 1024,
+        "agent_anon_mb": totals["RssAnon"] / 1024,
+        "agent_file_mb": totals["RssFile"] / 1024,
+        "agent_loaded_torch": loaded_torch,
     }
 
 

@@ -193,7 +193,9 @@ def main() -> None:
             "resnet18", resnet, images[32:], images[:32], (images[32:], agree), out_dir, max(6, runs // 10)
         )
         cnn_fp32 = out_dir / "cnn" / "model-fp32.onnx"
-        swap = swap_over_broker([cnn_fp32, _other_weights(cnn, test_x, out_dir / "cnn-b")])
+        versions = [cnn_fp32, _other_weights(cnn, test_x, out_dir / "cnn-b")]
+        swap = swap_over_broker(versions, replicas=1)
+        swap2 = swap_over_broker(versions, replicas=2)
         model_mb = cnn_fp32.stat().st_size / 1e6
         floor_mb = runtime_floor_rss()
     finally:
@@ -252,12 +254,17 @@ def main() -> None:
         "cnn_accuracy_fp32": cnn_by["fp32"].accuracy,
         "served_variant_never_slower": all(r["never_slower"] for r in results.values()),
         "served": {name: r["selected"] for name, r in results.items()},
-        "swap_failed_requests": swap["failed_requests"],
+        "swap_failed_requests": swap["failed_requests"] + swap2["failed_requests"],
         "swap_pause_p99_ms": swap["pause_p99_ms"],
-        "swaps_ok": swap["swaps_ok"],
-        "swap_requests": swap["requests"],
-        "swap_requests_during_swaps": swap["requests_during_swaps"],
+        "swap_pause_p99_ms_two_replicas": swap2["pause_p99_ms"],
+        "swap_pause_null_control_ms": max(swap["null_pause_p99_ms"], swap2["null_pause_p99_ms"]),
+        "swap_with_transfer_pause_p99_ms": swap["with_transfer_pause_p99_ms"],
+        "swap_latency_p99_ms": swap["latency_p99_ms"],
+        "swaps_ok": min(swap["swaps_ok"], swap2["swaps_ok"]),
+        "swap_requests": swap["requests"] + swap2["requests"],
+        "swap_requests_during_swaps": swap["requests_during_swaps"] + swap2["requests_during_swaps"],
         "infer_agent_rss_mb": swap["agent_rss_mb"],
+        "infer_agent_rss_mb_two_replicas": swap2["agent_rss_mb"],
         "infer_runtime_floor_rss_mb": floor_mb,
         "infer_agent_rss_above_runtime_mb": swap["agent_rss_mb"] - floor_mb,
         "infer_agent_rss_bound_mb": model_mb + 40,
@@ -270,6 +277,7 @@ def main() -> None:
         "quick": args.quick,
         "headline": headline,
         "swap": swap,
+        "swap_two_replicas": swap2,
         "install_files": install_files,
         "models": detail,
         "cpus": available_cpus(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -26,16 +27,28 @@ def serve(
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show fedge's logs."),
     log_json: bool = typer.Option(False, "--log-json", help="Log one JSON object per line."),
+    replica: int | None = typer.Option(
+        None, "--replica", min=0, help="Run only this replica (with replicas = 2, the first starts the rest)."
+    ),
 ) -> None:
     """Run the inference agent: receive the fleet's models, hot-swap them, answer requests over MQTT."""
     from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
 
     with config_errors():
-        agent = InferenceAgent(InferenceAgentConfig.from_toml(config))
+        settings = InferenceAgentConfig.from_toml(config)
+        agent = InferenceAgent(settings, replica or 0)
     configure_logging(verbose, service=True, json_lines=log_json)
-    # Requests are answered on paho's thread while a swap runs Python on another: with the default 5 ms
-    # switch interval a request could wait that long for the GIL; 0.5 ms bounds that wait.
-    sys.setswitchinterval(0.005)
+    # Requests are answered on one paho thread while model chunks arrive on another and swaps run on a
+    # third: with Python's default 5 ms switch interval a request could wait that long for the GIL.
+    sys.setswitchinterval(0.0005)
+    others = [] if replica is not None else range(1, settings.replicas)
+    flags = [*(["-v"] if verbose else []), *(["--log-json"] if log_json else [])]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fedge", "serve", "--config", str(config), "--replica", str(i), *flags]
+        )
+        for i in others
+    ]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -44,6 +57,11 @@ def serve(
         raise fail(str(err)) from None
     except KeyboardInterrupt:
         pass
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.wait(30)
 
 
 def infer(

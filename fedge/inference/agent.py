@@ -38,6 +38,7 @@ from fedge.config import ConfigError, check_types, from_table, read_toml
 from fedge.inference.distribution import Choice, VariantCollector, choose_variant, variant_artifact
 from fedge.inference.io import InputError, decode_array, encode_array
 from fedge.inference.manifest import Manifest, write_manifest
+from fedge.inference.replicas import ReplicaGroup
 from fedge.inference.serving import Canary, ModelServer
 from fedge.inference.session import SessionConfig
 from fedge.transport.artifact_channel import ArtifactSubscriber
@@ -75,6 +76,9 @@ class InferenceAgentConfig:
         The batch size the variants are measured at (what this device's requests look like).
     max_accuracy_drop_pp : float, default 1.0
         The accuracy bound of an int8 variant against fp32, in percentage points (from the manifests).
+    replicas : int, default 1
+        Serving processes on this device. With 2 (``fedge serve`` starts the second), a swap never pauses a
+        request, at the memory of a second process (:mod:`fedge.inference.replicas`).
     instruction_keys : tuple of bytes, default ()
         Raw Ed25519 public keys of the coordinator; with any, only model headers it signed are accepted.
     max_model_bytes : int, default 256 MiB
@@ -100,6 +104,7 @@ class InferenceAgentConfig:
     variants: tuple[str, ...] = ("fp32", "int8-static", "int8-dynamic")
     serve_batch: int = 1
     max_accuracy_drop_pp: float = 1.0
+    replicas: int = 1
     instruction_keys: tuple[bytes, ...] = ()
     max_model_bytes: int = 256 * 1024 * 1024
     max_request_bytes: int = 4 * 1024 * 1024
@@ -111,6 +116,8 @@ class InferenceAgentConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.replicas not in (1, 2):
+            raise ConfigError(f"replicas must be 1 or 2, got {self.replicas}")
         if "fp32" not in self.variants:
             raise ConfigError("variants must include fp32 (the reference every version is published in)")
         for key in ("max_model_bytes", "max_request_bytes", "max_batch", "status_every_s", "serve_batch"):
@@ -143,10 +150,16 @@ class InferenceAgent:
     ----------
     config : InferenceAgentConfig
         The device's settings.
+    replica : int, default 0
+        Which of the device's ``config.replicas`` serving processes this is.
     """
 
-    def __init__(self, config: InferenceAgentConfig) -> None:
+    def __init__(self, config: InferenceAgentConfig, replica: int = 0) -> None:
+        if not 0 <= replica < config.replicas:
+            raise ConfigError(f"replica {replica} is not one of the {config.replicas} replicas configured")
         self.config = config
+        self.replica = replica
+        self._replica_tag = ("replica", str(replica))
         self.topics = Topics(config.mqtt.fleet)
         self.server = ModelServer(config.session)
         self.canary = _read_canary(config.canary_file, config.canary_min_accuracy)
@@ -155,13 +168,26 @@ class InferenceAgent:
         self.swap_log: deque[dict[str, Any]] = deque(maxlen=64)
         self._stop = threading.Event()
         self._status_thread: threading.Thread | None = None
-        self.connection = MqttConnection(config.mqtt, f"{config.node_id}-infer", will=self._will)
+        suffix = f"-{replica}" if replica else ""
+        self.connection = MqttConnection(config.mqtt, f"{config.node_id}-infer{suffix}", will=self._will)
+        self.group = ReplicaGroup(
+            self.connection,
+            self.topics,
+            config.node_id,
+            replica,
+            config.replicas,
+            config.model_dir,
+            stale_after_s=3 * config.status_every_s + 1,
+        )
         verifier = InstructionVerifier(config.instruction_keys) if config.instruction_keys else None
         self.collector = VariantCollector(config.variants)
         self.choice: Choice | None = None
+        # Models arrive on a connection of their own: reassembling and checking chunks on paho's thread of
+        # the request connection would hold up requests.
+        self.models_connection = MqttConnection(config.mqtt, f"{config.node_id}-models{suffix}")
         self.subscribers = {
             variant: ArtifactSubscriber(
-                self.connection,
+                self.models_connection,
                 self.topics,
                 variant_artifact(config.artifact, variant),
                 functools.partial(self._on_variant, variant),
@@ -185,12 +211,11 @@ class InferenceAgent:
                 log.info("serving kept model %s", result.version)
             else:
                 log.warning("kept model %s refused: %s", kept, result.message)
-        self.connection.route_with_properties(
-            self.topics.infer_request(self.config.node_id), self._on_request
-        )
+        self.group.serve_requests(self._on_request)
         for subscriber in self.subscribers.values():
             subscriber.start()
         self.connection.start()
+        self.models_connection.start()
         if not self.connection.is_v5:
             log.warning(
                 "broker speaks MQTT 3.1.1: requests need MQTT 5 response topics and will go unanswered"
@@ -205,9 +230,8 @@ class InferenceAgent:
             self._status_thread.join(timeout=10)
         for subscriber in self.subscribers.values():
             subscriber.stop()
-        self.connection.publish(
-            self.topics.infer_status(self.config.node_id), self._status(online=False), retain=True
-        )
+        self.connection.publish(self.group.status_topic(), self._status(online=False), retain=True)
+        self.models_connection.close()
         self.connection.close()
 
     def run_forever(self, stop: threading.Event) -> None:
@@ -236,7 +260,7 @@ class InferenceAgent:
                 payload, max_bytes=self.config.max_request_bytes, max_rows=self.config.max_batch
             )
             outputs, version = self.server.predict_versioned(batch)
-            answer, extra = encode_array(outputs), (("status", "ok"), ("version", version))
+            answer, extra = encode_array(outputs), (("status", "ok"), ("version", version), self._replica_tag)
         except InputError as err:
             answer, extra = b"", (("status", "error"), ("error", str(err)), ("version", ""))
             self._count_failure("bad-request")
@@ -273,21 +297,24 @@ class InferenceAgent:
 
     def _install(self, version: str, candidates: dict, received_at: float) -> None:
         """Choose among the candidates by measuring them here, then swap the chosen one in."""
-        choice = choose_variant(
-            candidates,
-            self._sample(candidates["fp32"][1]),
-            batch=self.config.serve_batch,
-            max_drop_pp=self.config.max_accuracy_drop_pp,
-            config=self.config.session,
-        )
-        data, manifest = candidates[choice.variant]
-        swap_start = time.time()
-        result = self.server.swap(data, manifest, version=version, canary=self.canary)
+        times = {"received_at": received_at, "install_at": time.time()}
+        with self.group.out_of_group() as left:  # with a live peer replica, no request waits for this work
+            times["swap_started_at"] = time.time()
+            choice = choose_variant(
+                candidates,
+                self._sample(candidates["fp32"][1]),
+                batch=self.config.serve_batch,
+                max_drop_pp=self.config.max_accuracy_drop_pp,
+                config=self.config.session,
+            )
+            data, manifest = candidates[choice.variant]
+            result = self.server.swap(data, manifest, version=version, canary=self.canary)
+            times["built_at"] = time.time()
         if result.ok:
             self.choice = choice
             self._keep(data, manifest)
         self._log_swap(
-            version, choice.variant, result.ok, result.reason, result.message, received_at, swap_start
+            version, choice.variant, result.ok, result.reason, result.message, out_of_group=left, **times
         )
         self._publish_status()
 
@@ -299,27 +326,13 @@ class InferenceAgent:
         return np.zeros(shape, dtype=np.float32)
 
     def _log_swap(
-        self,
-        version: str,
-        variant: str,
-        ok: bool,
-        reason: str,
-        message: str,
-        received_at: float,
-        swap_start: float | None = None,
+        self, version: str, variant: str, ok: bool, reason: str, message: str, **facts: Any
     ) -> None:
+        """Record a swap (or a refusal) in the status's swap log; ``facts`` are its timestamps and flags."""
         now = time.time()
-        entry = {
-            "version": version,
-            "variant": variant,
-            "ok": ok,
-            "reason": reason,
-            "message": message,
-            "received_at": received_at,
-            "swap_started_at": swap_start or now,
-            "swapped_at": now,
-        }
-        self.swap_log.append(entry)
+        facts.setdefault("received_at", now)
+        entry = {"version": version, "variant": variant, "ok": ok, "reason": reason, "message": message}
+        self.swap_log.append({**entry, **facts, "swapped_at": now})
         if not ok:
             log.warning("model %s (%s) refused: %s", version, variant, message)
 
@@ -341,6 +354,7 @@ class InferenceAgent:
         choice = self.choice
         return {
             "node_id": self.config.node_id,
+            "replica": self.replica,
             "online": True,
             "version": stats.version,
             "latency_ms": {
@@ -370,7 +384,7 @@ class InferenceAgent:
         return json.dumps(status).encode()
 
     def _publish_status(self) -> None:
-        self.connection.publish(self.topics.infer_status(self.config.node_id), self._status(), retain=True)
+        self.connection.publish(self.group.status_topic(), self._status(), retain=True)
 
     def _report_loop(self) -> None:
         self._publish_status()
@@ -378,7 +392,7 @@ class InferenceAgent:
             self._publish_status()
 
     def _will(self) -> Will:
-        return Will(self.topics.infer_status(self.config.node_id), self._status(online=False))
+        return Will(self.group.status_topic(), self._status(online=False))
 
 
 def _read_canary(path: str, min_accuracy: float) -> Canary | None:

@@ -29,10 +29,11 @@ class InferenceError(RuntimeError):
 
 @dataclass(frozen=True)
 class Prediction:
-    """A device's answer: the model's first output and the model version that produced it."""
+    """A device's answer: the model's first output, the model version and the serving replica."""
 
     outputs: np.ndarray
     version: str
+    replica: int = 0
 
 
 class InferenceClient:
@@ -123,4 +124,7 @@ class InferenceClient:
         except InputError as err:
             future.set_exception(InferenceError(f"unreadable answer: {err}"))
             return
-        future.set_result(Prediction(outputs, fields.get("version", "")))
+        replica = fields.get("replica", "0")
+        future.set_result(
+            Prediction(outputs, fields.get("version", ""), int(replica) if replica.isdigit() else 0)
+        )

@@ -88,7 +88,11 @@ class MqttConnection:
         self._will = will
         self._on_connected = on_connected
         self._on_disconnected = on_disconnected
-        self._routes: dict[str, Callable[[paho.Client, object, paho.MQTTMessage], None]] = {}
+        # subscription filter -> (filter paho matches incoming topics with, callback); they differ for
+        # shared subscriptions ($share/<group>/<filter>), whose messages carry the plain topic.
+        self._routes: dict[str, tuple[str, Callable[[paho.Client, object, paho.MQTTMessage], None]]] = {}
+        self._acks: dict[int, threading.Event] = {}
+        self._ack_lock = threading.Lock()
         self._connected = threading.Event()
         self._settled = threading.Event()  # first CONNACK arrived, or a refusal that retrying cannot fix
         self._failure: str | None = None
@@ -112,27 +116,73 @@ class MqttConnection:
 
     def route(self, topic_filter: str, handler: MessageHandler) -> None:
         """Subscribe ``topic_filter`` (QoS 1) on every connect and hand its messages to ``handler``."""
-        self._add_route(topic_filter, self._dispatch(handler))
+        self._add_route(topic_filter, topic_filter, self._dispatch(handler))
 
-    def route_with_properties(self, topic_filter: str, handler: PropertiesHandler) -> None:
-        """Like :meth:`route`, with the message's :class:`MessageProperties` as a third argument."""
-        self._add_route(topic_filter, self._dispatch_with_properties(handler))
+    def route_with_properties(
+        self,
+        topic_filter: str,
+        handler: PropertiesHandler,
+        *,
+        shared_group: str | None = None,
+        wait_s: float = 0.0,
+    ) -> bool:
+        """Like :meth:`route`, with the message's :class:`MessageProperties` as a third argument.
 
-    def unroute(self, topic_filter: str) -> None:
-        """Stop a route: unsubscribe and forget its handler (no-op for an unknown filter)."""
-        if self._routes.pop(topic_filter, None) is None:
-            return
-        self._client.message_callback_remove(topic_filter)
+        With ``shared_group`` the subscription is the shared ``$share/<group>/<topic_filter>``: the broker
+        hands each message to one of the group's subscribers. With ``wait_s`` (and a live connection) wait
+        that long for the broker's SUBACK; returns whether it came (always True without waiting).
+        """
+        subscription = f"$share/{shared_group}/{topic_filter}" if shared_group else topic_filter
+        return self._add_route(subscription, topic_filter, self._dispatch_with_properties(handler), wait_s)
+
+    def unroute(self, topic_filter: str, *, shared_group: str | None = None, wait_s: float = 0.0) -> bool:
+        """Stop a route (a no-op for an unknown one).
+
+        With ``wait_s`` the handler stays until the broker's UNSUBACK (or ``wait_s``): every message the
+        broker sent before it still reaches the handler, because paho handles packets in order. Returns
+        whether the UNSUBACK came (always True without waiting).
+        """
+        subscription = f"$share/{shared_group}/{topic_filter}" if shared_group else topic_filter
+        route = self._routes.pop(subscription, None)
+        if route is None:
+            return True
+        acked = True
         if self.connected:
-            self._client.unsubscribe(topic_filter)
+            acked = self._acked(lambda: self._client.unsubscribe(subscription), wait_s)
+        if not any(match == route[0] for match, _ in self._routes.values()):
+            self._client.message_callback_remove(route[0])
+        return acked
 
     def _add_route(
-        self, topic_filter: str, callback: Callable[[paho.Client, object, paho.MQTTMessage], None]
-    ) -> None:
-        self._routes[topic_filter] = callback
-        self._client.message_callback_add(topic_filter, callback)
+        self,
+        subscription: str,
+        match: str,
+        callback: Callable[[paho.Client, object, paho.MQTTMessage], None],
+        wait_s: float = 0.0,
+    ) -> bool:
+        self._routes[subscription] = (match, callback)
+        self._client.message_callback_add(match, callback)
         if self.connected:
-            self._client.subscribe(topic_filter, qos=1)
+            return self._acked(lambda: self._client.subscribe(subscription, qos=1), wait_s)
+        return True
+
+    def _acked(self, request: Callable[[], tuple[int, int | None]], wait_s: float) -> bool:
+        """Send a (un)subscribe and wait up to ``wait_s`` for the broker's acknowledgement of it."""
+        if wait_s <= 0:
+            request()
+            return True
+        event = threading.Event()
+        with self._ack_lock:  # paho's thread takes it too: the ack cannot be handled before it is awaited
+            _, mid = request()
+            if mid is not None:
+                self._acks[mid] = event
+        return event.wait(wait_s)
+
+    def _handle_ack(self, _client: paho.Client, _userdata: object, mid: int, *_rest: object) -> None:
+        with self._ack_lock:
+            event = self._acks.pop(mid, None)
+        if event is not None:
+            event.set()
 
     def start(self) -> None:
         """Connect and start paho's network thread; block until connected.
@@ -255,8 +305,9 @@ class MqttConnection:
         client.on_pre_connect = self._handle_pre_connect
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
-        for topic_filter, callback in self._routes.items():
-            client.message_callback_add(topic_filter, callback)
+        client.on_subscribe = client.on_unsubscribe = self._handle_ack
+        for match, callback in list(self._routes.values()):
+            client.message_callback_add(match, callback)
         return client
 
     def _connect(self) -> None:

@@ -196,12 +196,55 @@ def test_transfer_interrupted_mid_way_resumes_from_retained_chunks(mqtt, coordin
         _wait(
             lambda: subscriber._assembler is not None and subscriber._assembler.missing == len(chunks) - half
         )
-        agent.connection.drop_link()
+        agent.models_connection.drop_link()
         for index in range(half, len(chunks)):
             coordinator.publish(topics.artifact_chunk("model-fp32", "v1", index), chunks[index], retain=True)
-        _wait(lambda: agent.server.serving_version == "v1")
+        _wait(lambda: subscriber.stats.delivered == 1)  # counted once the swap returns
         stats = subscriber.stats
         assert stats.delivered == 1 and stats.transfers_abandoned == 0
-        assert agent.connection.connects >= 2
+        assert agent.models_connection.connects >= 2
         kept = json.loads((tmp_path / "dev-1" / "model.onnx.json").read_text())
         assert kept["sha256"] == fp32.sha256
+
+
+def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, variants, digits_test, tmp_path):
+    """With replicas = 2 each replica leaves the shared request group to swap while the other answers."""
+    publisher = ArtifactPublisher(coordinator, Topics(coordinator.config.fleet))
+    fp32_path, fp32 = variants["fp32"]
+    int8_path, int8 = variants["int8-static"]
+    _publish(publisher, fp32_path, fp32, "v1")
+    config = InferenceAgentConfig(
+        node_id="dev-1", mqtt=mqtt(), model_dir=str(tmp_path / "dev-1"), replicas=2, status_every_s=0.2
+    )
+    replicas = [InferenceAgent(config, 0), InferenceAgent(config, 1)]
+    for replica in replicas:
+        replica.start()
+    try:
+        _wait(lambda: all(r.server.serving_version == "v1" for r in replicas))
+        _wait(lambda: all(r.group._peer_serving() for r in replicas))  # each sees the other's status
+        with InferenceClient(mqtt()) as client:
+            answers: list[str] = []
+            stop = threading.Event()
+
+            def stream() -> None:
+                while not stop.is_set():
+                    answers.append(client.predict("dev-1", digits_test[0][:1], timeout=10).version)
+                    stop.wait(0.01)
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            _wait(lambda: len(answers) >= 20)
+            files = {"fp32": (fp32_path.read_bytes(), fp32), "int8-static": (int8_path.read_bytes(), int8)}
+            publish_model(publisher, "v2", files)
+            _wait(lambda: all(r.server.serving_version == "v2" for r in replicas))
+            count = len(answers)
+            _wait(lambda: len(answers) >= count + 20)
+            stop.set()
+            thread.join()
+        assert answers[0] == "v1" and answers[-1] == "v2"
+        assert [r.group.swaps_out_of_group for r in replicas] == [1, 1]  # v2: both swapped outside the group
+        assert all(r.requests > 0 for r in replicas), "the broker did not share the requests"
+        assert sum(r.requests for r in replicas) == len(answers)
+    finally:
+        for replica in replicas:
+            replica.stop()
