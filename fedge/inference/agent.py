@@ -15,7 +15,7 @@ It does three things, each on its own thread:
   offline status (the last will) if the agent dies.
 
 Nothing here imports torch or Flower: ``pip install 'fedge[infer]'`` is enough (onnxruntime, numpy,
-paho-mqtt, cryptography).
+paho-mqtt and typer; signed model headers are checked without ``cryptography``).
 """
 
 from __future__ import annotations

@@ -24,18 +24,28 @@ Refusals: ``FRF1 || UTF-8 JSON {"reason": ..., "detail": ...}``
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import json
 import struct
 from collections.abc import Iterable
 from pathlib import Path
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import TYPE_CHECKING
 
 from fedge.config import ConfigError
+from fedge.transport import ed25519
+
+try:
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+except ImportError:  # a torch-free inference install (fedge[infer]) verifies in pure Python
+    serialization = None
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 __all__ = [
     "INSTRUCTION_REFUSED",
@@ -103,12 +113,36 @@ def key_id(public_key: bytes) -> bytes:
 def load_public_key(path: str | Path) -> bytes:
     """The raw 32 bytes of an Ed25519 public key in a PEM file (``openssl pkey -pubout``)."""
     try:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
-    except (OSError, ValueError) as err:
+        text = Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"instruction key file {path} cannot be read: {err}") from None
+    if serialization is None:
+        return _raw_public_key(text, path)
+    try:
+        key = serialization.load_pem_public_key(text)
+    except ValueError as err:
         raise ConfigError(f"instruction key file {path} cannot be read: {err}") from None
     if not isinstance(key, Ed25519PublicKey):
         raise ConfigError(f"instruction key file {path} does not hold an Ed25519 public key")
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+# An Ed25519 SubjectPublicKeyInfo is this fixed DER prefix (algorithm 1.3.101.112) and the 32 key bytes.
+_ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
+
+
+def _raw_public_key(pem: bytes, path: str | Path) -> bytes:
+    """The key bytes of an Ed25519 public-key PEM, parsed without ``cryptography``."""
+    lines = pem.decode("ascii", "replace").strip().splitlines()
+    if len(lines) < 3 or lines[0] != "-----BEGIN PUBLIC KEY-----" or lines[-1] != "-----END PUBLIC KEY-----":
+        raise ConfigError(f"instruction key file {path} is not a PEM public key")
+    try:
+        der = base64.b64decode("".join(lines[1:-1]), validate=True)
+    except binascii.Error as err:
+        raise ConfigError(f"instruction key file {path} cannot be read: {err}") from None
+    if len(der) != 44 or not der.startswith(_ED25519_SPKI_PREFIX):
+        raise ConfigError(f"instruction key file {path} does not hold an Ed25519 public key")
+    return der[len(_ED25519_SPKI_PREFIX) :]
 
 
 def _signed_message(node: str, message_id: str, body: bytes | memoryview) -> bytes:
@@ -139,6 +173,9 @@ class InstructionSigner:
     @classmethod
     def from_file(cls, path: str | Path) -> InstructionSigner:
         """Read an unencrypted PEM (PKCS#8) Ed25519 private key; a bad file is a ConfigError naming it."""
+        # Signing happens on the coordinator only, which always has cryptography (a base dependency).
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         try:
             key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
         except (OSError, ValueError, TypeError) as err:
@@ -164,7 +201,9 @@ class InstructionVerifier:
     """
 
     def __init__(self, public_keys: Iterable[bytes]) -> None:
-        self._keys = {key_id(k): Ed25519PublicKey.from_public_bytes(k) for k in public_keys}
+        self._keys = {key_id(k): bytes(k) for k in public_keys}
+        if any(len(k) != _ED25519_PUBLIC for k in self._keys.values()):
+            raise ValueError("Ed25519 public keys are 32 bytes")
         if not self._keys:
             raise ValueError("an InstructionVerifier needs at least one public key")
 
@@ -187,13 +226,22 @@ class InstructionVerifier:
         if key is None:
             raise SignatureError(f"instruction is signed by key {kid.hex()}, which this agent does not trust")
         signature = bytes(view[start + _KEY_ID : header])
-        try:
-            key.verify(signature, _signed_message(node, message_id, view[header:]))
-        except InvalidSignature:
+        if not _verify_ed25519(key, signature, _signed_message(node, message_id, view[header:])):
             raise SignatureError(
                 f"signature of key {kid.hex()} does not match this instruction, node and message id"
-            ) from None
+            )
         return bytes(view[header:])
+
+
+def _verify_ed25519(public_key: bytes, signature: bytes, message: bytes) -> bool:
+    """Ed25519 verification with ``cryptography`` where it is installed, in pure Python otherwise."""
+    if serialization is None:
+        return ed25519.verify(public_key, message, signature)
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
+    except InvalidSignature:
+        return False
+    return True
 
 
 def is_signed_instruction(payload: bytes | bytearray) -> bool:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -31,6 +33,7 @@ from fedge.localnet import MosquittoBroker
 from fedge.transport import MqttConfig
 from fedge.transport.artifact_channel import ArtifactPublisher
 from fedge.transport.connection import MqttConnection
+from fedge.transport.signing import InstructionSigner
 from fedge.transport.topics import Topics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,11 +100,12 @@ def test_venv_has_no_torch_or_flower(infer_venv):
     python, installed_mb = infer_venv
     probe = (
         "import importlib.util, json\n"
-        "names = ('torch', 'flwr', 'onnxruntime', 'paho', 'fedge')\n"
+        "names = ('torch', 'flwr', 'cryptography', 'onnxruntime', 'paho', 'fedge')\n"
         "print(json.dumps({m: importlib.util.find_spec(m) is not None for m in names}))"
     )
     found = json.loads(subprocess.check_output([python, "-c", probe], text=True))
-    assert found == {"torch": False, "flwr": False, "onnxruntime": True, "paho": True, "fedge": True}
+    expected = {"torch": False, "flwr": False, "cryptography": False, "onnxruntime": True, "paho": True}
+    assert found == {**expected, "fedge": True}
     assert installed_mb < 400  # the full agent's venv holds about 1.9 GB
 
 
@@ -113,12 +117,18 @@ def test_infer_only_venv_serves_and_swaps_mid_stream(infer_venv, variants, digit
         config = MqttConfig(broker_url=broker.url, fleet=fleet, reconnect_max_s=0.5)
         coordinator = MqttConnection(config, "coordinator")
         coordinator.start()
-        publisher = ArtifactPublisher(coordinator, Topics(fleet))
+        key = Ed25519PrivateKey.generate()  # models are signed; the venv checks them in pure Python
+        public_pem = key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        (tmp_path / "coordinator.pub").write_bytes(public_pem)
+        publisher = ArtifactPublisher(coordinator, Topics(fleet), InstructionSigner(key))
         fp32_path, fp32 = variants["fp32"]
         int8_path, int8 = variants["int8-static"]
         publish_model(publisher, "v1", {"fp32": (fp32_path.read_bytes(), fp32)})
         (tmp_path / "infer.toml").write_text(
-            f'node_id = "dev-1"\nmodel_dir = "{tmp_path / "models"}"\nstatus_every_s = 0.5\n\n'
+            f'node_id = "dev-1"\nmodel_dir = "{tmp_path / "models"}"\nstatus_every_s = 0.5\n'
+            f'instruction_key_files = ["{tmp_path / "coordinator.pub"}"]\n\n'
             f'[mqtt]\nbroker_url = "{broker.url}"\nfleet = "{fleet}"\nreconnect_max_s = 0.5\n'
         )
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import fedge.inference
 
-ALLOWED = {"numpy", "onnxruntime", "onnx", "fedge", "paho", "cryptography"}
+ALLOWED = {"numpy", "onnxruntime", "onnx", "fedge", "paho"}
 # The MQTT transport's torch-free core (connection, topics, signing, artifacts) serves the inference agent.
 ALLOWED_FEDGE = ("fedge.inference", "fedge.config", "fedge.atomic", "fedge.transport", "fedge.protocol.fleet")
 
