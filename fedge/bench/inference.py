@@ -38,14 +38,20 @@ from fedge.inference import measure_variants, select_variant
 from fedge.inference.session import available_cpus
 from fedge.server.export import export_onnx, export_variants
 
-# The ``infer`` extra as pinned in constraints.txt (what a torch-free device downloads).
-INFER_EXTRA = [
-    "onnxruntime==1.32.0",
-    "numpy==2.4.6",
-    "paho-mqtt==2.2.0",
-    "cryptography==50.0.2",
-    "typer==0.20.0",
-]
+
+def _infer_extra() -> list[str]:
+    """The ``infer`` extra's requirements, pinned to the versions installed here (constraints.txt's)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    pinned = []
+    for text in metadata.requires("fedge") or []:
+        requirement = Requirement(text)
+        marker = requirement.marker
+        if marker is not None and marker.evaluate({"extra": "infer"}) and not marker.evaluate({"extra": ""}):
+            pinned.append(f"{requirement.name}=={metadata.version(requirement.name)}")
+    return pinned
 
 
 class BasicBlock(nn.Module):
@@ -162,7 +168,7 @@ def _other_weights(model: nn.Module, sample: np.ndarray, out_dir: Path) -> Path:
 def _install_mb() -> tuple[float | None, str]:
     """Download size of the ``infer`` extra's closure (what a torch-free device fetches)."""
     with tempfile.TemporaryDirectory(prefix="fedge-infer-dl-") as dest:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--dest", dest, *INFER_EXTRA]
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--dest", dest, *_infer_extra()]
         try:
             subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300)
         except (subprocess.SubprocessError, OSError) as err:
