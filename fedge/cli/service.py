@@ -118,11 +118,23 @@ def status(
             f"  {name:<22} {profile.get('cpus', '?')} CPUs, {profile.get('memory_total_mb', '?')} MB, "
             f"{profile.get('machine', '')}"
         )
+    for name, device in sorted(current.get("inference_devices", {}).items()):
+        typer.echo(f"  infer {name:<16} {_device_line(device)}")
     dropped = current.get("dropped_replies", {})
     if dropped:
         typer.echo(
             "dropped       " + ", ".join(f"{reason} {count}" for reason, count in sorted(dropped.items()))
         )
+
+
+def _device_line(device: dict) -> str:
+    """One inference device's status: model, variant, latency percentiles, requests (or offline)."""
+    if not device.get("online"):
+        return "offline"
+    latency = device.get("latency_ms", {})
+    percentiles = " ".join(f"{q} {latency.get(q, 0):.2f}" for q in ("p50", "p95", "p99"))
+    model = f"{device.get('version') or '-'} ({device.get('variant') or '-'})"
+    return f"model {model}, {percentiles} ms, {device.get('requests', 0)} requests"
 
 
 def _ranges(rounds: list[int]) -> str:

@@ -8,7 +8,10 @@ swap in. Publishing only queues the messages with paho, so it does not hold up t
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
+from typing import Any
 
 from fedge.inference.distribution import publish_model
 from fedge.inference.manifest import read_manifest
@@ -35,6 +38,38 @@ class ModelDistributor:
         self.publisher = publisher
         self.artifact = artifact
         self.published: list[str] = []
+        self._devices: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def follow_devices(self) -> None:
+        """Keep the inference devices' retained statuses (model, variant, latency) for ``status.json``."""
+        topics = self.publisher.topics
+        self.publisher.connection.route(topics.all_infer_status, self._on_device_status)
+
+    def devices(self) -> dict[str, dict[str, Any]]:
+        """Per inference device: online, model version and variant, p50/p95/p99, requests, swaps."""
+        with self._lock:
+            return dict(self._devices)
+
+    def _on_device_status(self, topic: str, payload: bytes) -> None:
+        try:
+            status = json.loads(payload) if payload else None
+        except ValueError:
+            return  # a device's status is advisory; a malformed one is ignored
+        if not isinstance(status, dict):
+            return
+        keys = (
+            "online",
+            "version",
+            "variant",
+            "latency_ms",
+            "requests",
+            "failed_requests",
+            "swaps",
+            "failed_swaps",
+        )
+        with self._lock:
+            self._devices[topic.split("/")[-2]] = {k: status[k] for k in keys if k in status}
 
     def __call__(self, exported: ExportedModel) -> None:
         files = {}

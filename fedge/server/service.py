@@ -145,9 +145,11 @@ def run_service(
     """
     state_dir = Path(config.state_dir)
     with contextlib.ExitStack() as stack:
+        devices = None
         if on_model_exported is None and config.publish_models and run.exporter is not None:
-            on_model_exported = stack.enter_context(_model_distributor(config))
-        return _run_service(config, run, resume, listeners, on_model_exported, state_dir)
+            distributor = stack.enter_context(_model_distributor(config))
+            on_model_exported, devices = distributor, distributor.devices
+        return _run_service(config, run, resume, listeners, on_model_exported, state_dir, devices)
 
 
 @contextlib.contextmanager
@@ -155,9 +157,11 @@ def _model_distributor(config: ServiceConfig) -> Iterator[ModelDistributor]:
     """A distributor on a connection of its own: the Grid's channel is per node, artifacts are fleet-wide."""
     signer = InstructionSigner.from_file(config.instruction_key_file) if config.instruction_key_file else None
     connection = MqttConnection(config.mqtt, f"fedge-models-{config.mqtt.fleet}")
+    distributor = ModelDistributor(ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer))
+    distributor.follow_devices()
     connection.start()
     try:
-        yield ModelDistributor(ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer))
+        yield distributor
     finally:
         connection.close()
 
@@ -169,6 +173,7 @@ def _run_service(
     listeners: Iterable[RoundListener],
     on_model_exported: Callable[[ExportedModel], None] | None,
     state_dir: Path,
+    devices: Callable[[], dict[str, Any]] | None = None,
 ) -> RunHistory:
     if on_model_exported is not None:
         if run.exporter is None:
@@ -189,7 +194,7 @@ def _run_service(
             audit=audit.write,
             instruction_key=config.instruction_key_file,
         ) as grid,
-        _StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point) as status,
+        _StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point, devices) as status,
     ):
         limit = _reply_limit(run.initial_arrays)
         grid.endpoint.set_message_limit(lambda node: limit)  # no reply needs more than a dense model
@@ -274,8 +279,15 @@ def _export_state(metrics: RoundMetrics) -> dict[str, Any]:
 class _StatusWriter:
     """Refreshes ``status.json`` every two seconds from a background thread."""
 
-    def __init__(self, path: Path, grid: MqttGrid, rounds: int, resume: ResumePoint | None) -> None:
-        self._path, self._grid, self._rounds = path, grid, rounds
+    def __init__(
+        self,
+        path: Path,
+        grid: MqttGrid,
+        rounds: int,
+        resume: ResumePoint | None,
+        devices: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self._path, self._grid, self._rounds, self._devices = path, grid, rounds, devices
         last = resume.history.rounds[-1] if resume and resume.history.rounds else None
         self._round = resume.completed_round if resume else 0
         self._accuracy = last.accuracy if last else None
@@ -301,6 +313,7 @@ class _StatusWriter:
             "dropped_replies": dict(self._grid.dropped),
             "transport_drops": self._grid.endpoint.drop_counts(),
             **self._export,
+            "inference_devices": self._devices() if self._devices else {},
             "updated_at": time.time(),
             "pid": os.getpid(),
         }

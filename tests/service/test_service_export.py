@@ -84,5 +84,7 @@ def test_the_service_publishes_each_export_and_an_inference_device_serves_the_la
     assert history.rounds[-1].extra["export_version"] == "r0002"
     assert set(status["variant_latency_ms"]) == {"fp32", "int8-dynamic"}
     assert status["variant"] in ("fp32", "int8-dynamic") and status["swaps"] >= 1
+    coordinator_status = json.loads((tmp_path / "coordinator" / "status.json").read_text())
+    assert coordinator_status["inference_devices"]["cam"]["online"] is True  # what `fedge status` shows
     served = read_manifest(tmp_path / "cam" / "model.onnx")
     assert served.version == "r0002" and served.round == 2 and served.variant == status["variant"]
