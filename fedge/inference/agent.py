@@ -2,7 +2,8 @@
 
 It does three things, each on its own thread:
 
-* **answers requests** (paho's network thread): an ``.npy`` batch on ``fedge/<fleet>/infer/<node>/request``
+* **answers requests** (paho's network thread): an ``.npy`` batch (or an ``.npz`` of named inputs, answered
+  with every output by name: a pipeline stage) on ``fedge/<fleet>/infer/<node>/request``
   with an MQTT 5 response topic and correlation data gets its outputs as ``.npy`` on the response topic, with
   the same correlation data and user properties ``status`` (``ok`` / ``error``), ``version`` and, on error,
   ``error``. A bad request is answered with an error and counted; it never stops the agent;
@@ -36,7 +37,7 @@ import numpy as np
 from fedge.atomic import write_bytes_atomic
 from fedge.config import ConfigError, check_types, from_table, read_toml
 from fedge.inference.distribution import Choice, VariantCollector, choose_variant, variant_artifact
-from fedge.inference.io import InputError, decode_array, encode_array
+from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.inference.manifest import Manifest, write_manifest
 from fedge.inference.replicas import ReplicaGroup
 from fedge.inference.serving import Canary, ModelServer
@@ -255,12 +256,15 @@ class InferenceAgent:
         if not props.response_topic:
             self._count_failure("no-response-topic")
             return  # nowhere to answer; counted and logged once per kind
+        caps = {"max_bytes": self.config.max_request_bytes, "max_rows": self.config.max_batch}
         try:
-            batch = decode_array(
-                payload, max_bytes=self.config.max_request_bytes, max_rows=self.config.max_batch
-            )
-            outputs, version = self.server.predict_versioned(batch)
-            answer, extra = encode_array(outputs), (("status", "ok"), ("version", version), self._replica_tag)
+            if is_npz(payload):  # named inputs: every output comes back by name
+                named, version = self.server.run_named(decode_arrays(payload, **caps))
+                answer = encode_arrays(named)
+            else:
+                outputs, version = self.server.predict_versioned(decode_array(payload, **caps))
+                answer = encode_array(outputs)
+            extra = (("status", "ok"), ("version", version), self._replica_tag)
         except InputError as err:
             answer, extra = b"", (("status", "error"), ("error", str(err)), ("version", ""))
             self._count_failure("bad-request")

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import io
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from fedge.atomic import write_bytes_atomic
 
-__all__ = ["InputError", "decode_array", "encode_array", "fit_to_shape", "read_inputs", "write_predictions"]
+__all__ = [
+    "InputError",
+    "decode_array",
+    "decode_arrays",
+    "encode_array",
+    "encode_arrays",
+    "fit_to_shape",
+    "is_npz",
+    "read_inputs",
+    "write_predictions",
+]
 
 
 class InputError(ValueError):
@@ -94,3 +105,50 @@ def decode_array(payload: bytes, *, max_bytes: int, max_rows: int) -> np.ndarray
     if len(array) > max_rows:
         raise InputError(f"request batch of {len(array)} rows exceeds the cap of {max_rows}")
     return array.astype(np.float32, copy=False)
+
+
+_NPZ_MAGIC = b"PK\x03\x04"
+_MAX_NAMED_ARRAYS = 64
+
+
+def is_npz(payload: bytes) -> bool:
+    """Whether ``payload`` is an ``.npz`` archive (named arrays) rather than one ``.npy`` array."""
+    return payload[:4] == _NPZ_MAGIC
+
+
+def encode_arrays(arrays: dict[str, np.ndarray]) -> bytes:
+    """Named arrays as uncompressed ``.npz`` bytes (a multi-input request, a multi-output answer)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **{name: np.ascontiguousarray(a) for name, a in arrays.items()})
+    return buffer.getvalue()
+
+
+def decode_arrays(payload: bytes, *, max_bytes: int, max_rows: int) -> dict[str, np.ndarray]:
+    """Named numeric arrays from untrusted ``.npz`` bytes, with caps; :class:`InputError` names the problem.
+
+    Every member's stored and uncompressed sizes are read from the archive's directory and checked before
+    any member is read, so a small payload cannot expand into a large allocation.
+    """
+    if len(payload) > max_bytes:
+        raise InputError(f"request of {len(payload)} bytes exceeds the cap of {max_bytes}")
+    try:
+        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
+            members = archive.infolist()
+            if len(members) > _MAX_NAMED_ARRAYS:
+                raise InputError(f"request holds {len(members)} arrays, more than {_MAX_NAMED_ARRAYS}")
+            if sum(m.file_size for m in members) > max_bytes:
+                raise InputError(f"request expands beyond the cap of {max_bytes} bytes")
+            arrays = {}
+            for member in members:
+                name = member.filename.removesuffix(".npy")
+                array = np.load(io.BytesIO(archive.read(member)), allow_pickle=False)
+                if array.ndim == 0 or not np.issubdtype(array.dtype, np.number):
+                    raise InputError(f"array {name!r} is not numeric with a batch axis")
+                if len(array) > max_rows:
+                    raise InputError(f"array {name!r} has {len(array)} rows, more than the cap of {max_rows}")
+                arrays[name] = array
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        if isinstance(err, InputError):
+            raise
+        raise InputError(f"request is not a readable .npz archive: {err}") from None
+    return arrays

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedge.inference.io import InputError, decode_array, encode_array
+from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import MessageProperties, MqttConnection
 from fedge.transport.topics import Topics
@@ -29,9 +29,10 @@ class InferenceError(RuntimeError):
 
 @dataclass(frozen=True)
 class Prediction:
-    """A device's answer: the model's first output, the model version and the serving replica."""
+    """A device's answer: the model's first output (every output by name for a named request), the model
+    version and the serving replica."""
 
-    outputs: np.ndarray
+    outputs: np.ndarray | dict[str, np.ndarray]
     version: str
     replica: int = 0
 
@@ -60,6 +61,7 @@ class InferenceClient:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().bytes[:8]
+        self.sent = 0  # requests sent so far
         self.connection = MqttConnection(config, self.client_id)
         self.connection.route_with_properties(self._reply_topic, self._on_answer)
 
@@ -87,19 +89,25 @@ class InferenceClient:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def submit(self, node_id: str, inputs: np.ndarray) -> Future[Prediction]:
-        """Send a batch to ``node_id``; the future resolves to its :class:`Prediction`."""
+    def submit(self, node_id: str, inputs: np.ndarray | dict[str, np.ndarray]) -> Future[Prediction]:
+        """Send a batch (or named inputs) to ``node_id``; the future resolves to its :class:`Prediction`."""
         correlation = self._prefix + next(self._ids).to_bytes(8, "big")
+        self.sent += 1
         future: Future[Prediction] = Future()
         with self._lock:
             self._pending[correlation] = future
         properties = MessageProperties(response_topic=self._reply_topic, correlation_data=correlation)
         self.connection.publish(
-            self.topics.infer_request(node_id), encode_array(inputs), qos=0, message_properties=properties
+            self.topics.infer_request(node_id),
+            encode_arrays(inputs) if isinstance(inputs, dict) else encode_array(inputs),
+            qos=0,
+            message_properties=properties,
         )
         return future
 
-    def predict(self, node_id: str, inputs: np.ndarray, timeout: float = 10.0) -> Prediction:
+    def predict(
+        self, node_id: str, inputs: np.ndarray | dict[str, np.ndarray], timeout: float = 10.0
+    ) -> Prediction:
         """Send a batch and wait for the answer; :class:`TimeoutError` after ``timeout`` seconds."""
         future = self.submit(node_id, inputs)
         try:
@@ -119,8 +127,9 @@ class InferenceClient:
         if fields.get("status") != "ok":
             future.set_exception(InferenceError(fields.get("error", "the device answered with an error")))
             return
+        caps = {"max_bytes": self.max_answer_bytes, "max_rows": 1 << 31}
         try:
-            outputs = decode_array(payload, max_bytes=self.max_answer_bytes, max_rows=1 << 31)
+            outputs = decode_arrays(payload, **caps) if is_npz(payload) else decode_array(payload, **caps)
         except InputError as err:
             future.set_exception(InferenceError(f"unreadable answer: {err}"))
             return

@@ -142,6 +142,24 @@ class ModelServer:
         self._latencies.append(time.perf_counter() - start)
         return out, model.version
 
+    def run_named(self, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
+        """Run the current model on named inputs (a multi-input model, a pipeline stage); every output by
+        name, with the version that answered. Floating inputs are fed as float32, others as they are."""
+        model = self._current  # read once, as in predict_versioned
+        if model is None:
+            raise RuntimeError("no model loaded: call load() or swap() first")
+        feed = {
+            name: np.ascontiguousarray(a, dtype=np.float32)
+            if a.dtype.kind == "f"
+            else np.ascontiguousarray(a)
+            for name, a in feeds.items()
+        }
+        start = time.perf_counter()
+        names = [o.name for o in model.session.get_outputs()]
+        outputs = model.session.run(names, feed)
+        self._latencies.append(time.perf_counter() - start)
+        return dict(zip(names, outputs, strict=True)), model.version
+
     def classify(self, inputs: np.ndarray) -> np.ndarray:
         """Predicted class per row (argmax of the first output)."""
         return self.predict(inputs).argmax(axis=1)
@@ -219,15 +237,17 @@ class ModelServer:
         self, session: ort.InferenceSession, input_name: str, canary: Canary | None
     ) -> float | None:
         """Warm the new session (on the canary when there is one) and judge its outputs."""
-        if canary is None:
-            shape = [d if isinstance(d, int) else 1 for d in session.get_inputs()[0].shape]
-            sample = np.zeros(shape, dtype=np.float32)
+        if canary is None:  # zeros for every input (a pipeline stage may have several)
+            feed = {
+                i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _dtype(i.type))
+                for i in session.get_inputs()
+            }
         else:
-            sample = np.ascontiguousarray(canary.inputs, dtype=np.float32)
+            feed = {input_name: np.ascontiguousarray(canary.inputs, dtype=np.float32)}
         try:
             outputs: list[np.ndarray] = []
             for _ in range(max(1, self.warmup_runs)):
-                outputs = session.run(None, {input_name: sample})
+                outputs = session.run(None, feed)
         except Exception as err:
             raise ModelCheckError("canary", f"inference failed: {type(err).__name__}: {err}") from err
         if not output_is_finite(outputs):
@@ -246,3 +266,16 @@ class ModelServer:
         previous = self._current.version if self._current else None
         log.warning("model %s refused (%s); still serving %s", version, message, previous)
         return SwapResult(False, previous or "", previous, reason=reason, message=message, build_s=build_s)
+
+
+def _dtype(onnx_type: str) -> np.dtype:
+    """numpy's dtype for an ONNX Runtime input type such as ``"tensor(float)"`` (float32 if unknown)."""
+    names = {
+        "tensor(int64)": np.int64,
+        "tensor(int32)": np.int32,
+        "tensor(double)": np.float64,
+        "tensor(float16)": np.float16,
+        "tensor(bool)": np.bool_,
+        "tensor(uint8)": np.uint8,
+    }
+    return np.dtype(names.get(onnx_type, np.float32))

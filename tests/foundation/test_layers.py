@@ -69,7 +69,20 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+# Edge adapters: modules of a component that may reach further than the component (the planner and the
+# exporter know nothing of MQTT; the runner that puts stages on MQTT agents is the adapter at the edge).
+EDGE_ADAPTERS = {"fedge.partitioning.mqtt_runtime": "partitioning.mqtt"}
+ALLOWED["partitioning.mqtt"] = ALLOWED["partitioning"] | {
+    "partitioning",
+    "protocol",
+    "transport",
+    "inference",
+}
+
+
 def _component(module: str) -> str:
+    if module in EDGE_ADAPTERS:
+        return EDGE_ADAPTERS[module]
     parts = module.split(".")
     if len(parts) == 1 or parts[1] in ("config", "atomic", "importing", "lazy"):
         return "base"

@@ -1,0 +1,90 @@
+"""A 3-stage pipeline on 3 real ``fedge serve`` processes over a real Mosquitto: 100 requests with outputs
+identical to the local chain, and a stage agent killed mid-run whose stage is re-placed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedge.localnet import MosquittoBroker
+from fedge.partitioning import CostModel, Device, Fleet
+from fedge.partitioning.models import chain_cnn
+from fedge.partitioning.mqtt_runtime import MqttPipeline, stage_artifact
+from fedge.partitioning.onnx_graph import capture
+from fedge.partitioning.runtime import OrtExecutor
+from fedge.partitioning.stages import load_runner
+from fedge.transport import MqttConfig
+
+DEVICES = ("dev-a", "dev-b", "dev-c")
+
+
+def _start_agent(tmp: Path, broker_url: str, name: str) -> subprocess.Popen:
+    config = tmp / f"{name}.toml"
+    config.write_text(
+        f'node_id = "{name}"\nmodel_dir = "{tmp / name}"\nartifact = "{stage_artifact(name)}"\n'
+        f'status_every_s = 0.2\nmax_batch = 256\n\n[mqtt]\nbroker_url = "{broker_url}"\nfleet = "pipe"\n'
+        "reconnect_max_s = 0.5\n\n[session]\nintra_op_threads = 1\n"
+    )
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedge", "serve", "--config", str(config)], env=env, stderr=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.timeout(240)
+def test_three_stage_pipeline_over_mqtt_survives_a_killed_stage_agent(tmp_path):
+    onnx_model, graph, feeds = capture(*chain_cnn(16))
+    fleet = Fleet(tuple(Device(name, 1e10, bandwidth_bytes_per_s=1e12) for name in DEVICES))
+    cost = CostModel(graph, fleet)
+    rng = np.random.default_rng(0)
+    batch = {k: rng.standard_normal((100, *v.shape[1:])).astype(np.float32) for k, v in feeds.items()}
+    with MosquittoBroker(tmp_path / "mq") as broker:
+        agents = {name: _start_agent(tmp_path, broker.url, name) for name in DEVICES}
+        config = MqttConfig(broker_url=broker.url, fleet="pipe", reconnect_max_s=0.5)
+        try:
+            with MqttPipeline(
+                onnx_model, graph, cost, config, tmp_path / "stages", timeout_s=3.0
+            ) as pipeline:
+                deadline = time.monotonic() + 60
+                while pipeline.online() != set(DEVICES):
+                    assert time.monotonic() < deadline, f"agents online: {pipeline.online()}"
+                    time.sleep(0.05)
+                placed = pipeline.deploy()
+                assert sorted(s.device for s in placed.stages) == list(DEVICES)  # one stage per agent
+
+                out = pipeline.run(batch, micro_batch=1)  # 100 requests through 3 agents
+                local = load_runner(tmp_path / "stages").run(batch, micro_batch=1)
+                for name in local:
+                    np.testing.assert_array_equal(out[name], local[name])
+
+                victim = placed.stages[1].device  # the middle stage's agent dies mid-run
+                result: dict[str, dict[str, np.ndarray]] = {}
+                runner = threading.Thread(
+                    target=lambda: result.update(out=pipeline.run(batch, micro_batch=1))
+                )
+                runner.start()
+                deadline = time.monotonic() + 30
+                while pipeline.client.sent < 300 + 30:  # the first run sent 300; let 30 more go
+                    assert time.monotonic() < deadline
+                    time.sleep(0.002)
+                agents[victim].send_signal(signal.SIGKILL)
+                runner.join(120)
+                assert "out" in result, "the run did not complete after the stage agent died"
+                assert pipeline.dead == {victim} and pipeline.replans >= 1
+                assert victim not in {s.device for s in pipeline.plan.stages}
+                full = OrtExecutor(onnx_model.SerializeToString()).run(batch)
+                for name in full:
+                    np.testing.assert_allclose(result["out"][name], full[name], atol=1e-5)
+        finally:
+            for agent in agents.values():
+                if agent.poll() is None:
+                    agent.terminate()
+                agent.wait(30)
