@@ -128,13 +128,28 @@ def partition_run(
     out: Path = _OUT,
     micro_batch: int = typer.Option(0, "--micro-batch", help="Examples per micro-batch (0: whole batch)."),
     repeat: int = typer.Option(8, "--repeat", help="Copies of the example input batch to push through."),
+    broker: str = typer.Option(
+        "",
+        "--broker",
+        help="Run on `fedge serve` stage agents over this MQTT 5 broker (with --model, --devices).",
+    ),
+    fleet: str = typer.Option("default", "--fleet", help="The agents' fleet (with --broker)."),
+    model: str = typer.Option("", "--model", help="MODULE:FACTORY (with --broker)."),
+    devices: str = typer.Option(
+        "", "--devices", help="Fleet TOML whose device names are the agents' node ids."
+    ),
+    objective: str = _OBJECTIVE,
 ) -> None:
-    """Run exported stages locally (pipelined micro-batches) and compare with the full model."""
+    """Run exported stages locally (pipelined micro-batches), or place and run them on MQTT stage agents, and
+    compare with the full model."""
     import numpy as np
 
     from fedge.partitioning.runtime import OrtExecutor
     from fedge.partitioning.stages import load_runner
 
+    if broker:
+        _run_over_mqtt(out, micro_batch, repeat, broker, fleet, model, devices, objective)
+        return
     if not (out / "manifest.json").exists():
         raise fail(f"no manifest.json in {out}: run 'fedge partition export' first")
     runner = load_runner(out)
@@ -147,6 +162,58 @@ def partition_run(
         f"{len(runner.executors)} stages, {len(next(iter(feeds.values())))} examples in "
         f"{runner.stats.wall_s:.3f} s; "
         f"max |chained - full| = {diff:.3g}; bytes per link: {runner.stats.link_bytes}"
+    )
+
+
+def _run_over_mqtt(
+    out: Path,
+    micro_batch: int,
+    repeat: int,
+    broker: str,
+    fleet: str,
+    model: str,
+    devices: str,
+    objective: str,
+) -> None:
+    """Plan over the fleet's online agents, deploy the stages to them, run the example input through."""
+    import time
+
+    import numpy as np
+
+    from fedge.partitioning import CostModel, load_fleet
+    from fedge.partitioning.mqtt_runtime import MqttPipeline
+    from fedge.partitioning.onnx_graph import capture
+    from fedge.partitioning.runtime import OrtExecutor
+    from fedge.transport.config import MqttConfig
+
+    if not (model and devices):
+        raise fail("--broker needs --model and --devices")
+    with config_errors():
+        config = MqttConfig(broker_url=broker, fleet=fleet)
+        fleet_spec = load_fleet(devices)
+        onnx_model, graph, feeds = capture(*_load_model(model))
+    feeds = {k: np.concatenate([v] * repeat) for k, v in feeds.items()}
+    try:
+        with MqttPipeline(
+            onnx_model, graph, CostModel(graph, fleet_spec), config, out, objective=objective
+        ) as pipe:
+            names = {d.name for d in fleet_spec.devices}
+            deadline = time.monotonic() + 30
+            while not names <= pipe.online() and time.monotonic() < deadline:
+                time.sleep(0.1)  # retained statuses arrive right after connecting
+            pipe.dead |= names - pipe.online()
+            placed = pipe.deploy()
+            typer.echo(placed.explain())
+            start = time.perf_counter()
+            outputs = pipe.run(feeds, micro_batch or None)
+            wall = time.perf_counter() - start
+    except (ConnectionError, TimeoutError, RuntimeError) as err:
+        raise fail(str(err)) from None
+    full = OrtExecutor(onnx_model.SerializeToString()).run(feeds)
+    diff = max(float(np.abs(outputs[k] - full[k]).max()) for k in outputs)
+    typer.echo(
+        f"{len(placed.stages)} stages on {', '.join(s.device for s in placed.stages)}: "
+        f"{len(next(iter(feeds.values())))} examples in {wall:.3f} s; max |chained - full| = {diff:.3g}"
     )
 
 

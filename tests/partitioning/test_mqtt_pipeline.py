@@ -88,3 +88,45 @@ def test_three_stage_pipeline_over_mqtt_survives_a_killed_stage_agent(tmp_path):
                 if agent.poll() is None:
                     agent.terminate()
                 agent.wait(30)
+
+
+@pytest.mark.timeout(180)
+def test_partition_run_over_mqtt_from_the_command_line(tmp_path):
+    (tmp_path / "devices.toml").write_text(
+        "".join(
+            f'[[device]]\nname = "{n}"\nflops_per_s = 1e10\nbandwidth_bytes_per_s = 1e12\n\n'
+            for n in DEVICES[:2]
+        )
+    )
+    with MosquittoBroker(tmp_path / "mq") as broker:
+        agents = [_start_agent(tmp_path, broker.url, name) for name in DEVICES[:2]]
+        try:
+            command = [
+                *(
+                    sys.executable,
+                    "-m",
+                    "fedge",
+                    "partition",
+                    "run",
+                    "--broker",
+                    broker.url,
+                    "--fleet",
+                    "pipe",
+                ),
+                *(
+                    "--model",
+                    "fedge.partitioning.models:chain_cnn",
+                    "--devices",
+                    str(tmp_path / "devices.toml"),
+                ),
+                *("--out", str(tmp_path / "out"), "--micro-batch", "2", "--repeat", "4"),
+            ]
+            env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+            done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
+        finally:
+            for agent in agents:
+                agent.terminate()
+                agent.wait(30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert summary.startswith("2 stages on ") and summary.endswith("max |chained - full| = 0"), summary
