@@ -12,6 +12,9 @@
   ``cost_model_error_*`` are over *held-out* stages only (the 4-way equal split and the edge plan, minus
   any stage the fit also timed), measured round-robin, fastest of many runs, one intra-op thread.
 * int8 boundaries on the digits CNN (trained briefly): bytes ratio and top-1 change on the test split.
+* Over MQTT: the ResNet-18's (3x64x64) edge plan deployed on three ``fedge serve`` processes that emulate
+  the fleet's devices (compute k times slower than this host, 20 Mbit/s proxied links): measured period over
+  predicted (``mqtt_measured_over_predicted``, ``mqtt_within_20pct``; :mod:`fedge.bench._partition_mqtt`).
 
 Run: ``fedge bench partition [--json] [--quick]``.
 """
@@ -202,6 +205,18 @@ def int8_digits(quick: bool) -> dict[str, float]:
     }
 
 
+def mqtt_case(factory: Any, quick: bool) -> dict[str, Any]:
+    """The edge-fleet throughput plan of a ResNet-18 (3x64x64, so emulated slow devices finish in seconds)
+    run over MQTT on three emulated devices (:mod:`fedge.bench._partition_mqtt`)."""
+    from fedge.bench._partition_mqtt import measure_over_mqtt
+
+    onnx_model, graph, feeds = capture(*factory(64))
+    feeds_b = {k: np.concatenate([v[:1]] * 4) for k, v in feeds.items()}
+    cal = calibrate(onnx_model, graph, feeds_b, host_flops_per_s=HOST_FLOPS, repeats=6 if quick else 10)
+    cost = CostModel(graph, _fleet(HOST_FLOPS / 10), batch=4, boundary="fp32", calibration=cal)
+    return measure_over_mqtt(onnx_model, graph, cost, feeds_b, HOST_FLOPS, quick)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(__doc__.splitlines()[0], argv)
     from fedge.partitioning.models import chain_cnn, resnet18, tied_transformer
@@ -226,7 +241,16 @@ def main(argv: list[str] | None = None) -> None:
     for key in ("throughput_vs_equal_split", "throughput_vs_best_single_split"):
         headline[key] = details["resnet18"]["edge"][key]
     headline.update(int8_digits(args.quick))
-    result = {"headline": headline, "planning_time": times, "models": details, "quick": args.quick}
+    over_mqtt = mqtt_case(resnet18, args.quick)
+    headline["mqtt_measured_over_predicted"] = over_mqtt["mqtt_measured_over_predicted"]
+    headline["mqtt_within_20pct"] = abs(over_mqtt["mqtt_measured_over_predicted"] - 1) <= 0.2
+    result = {
+        "headline": headline,
+        "planning_time": times,
+        "models": details,
+        "over_mqtt": over_mqtt,
+        "quick": args.quick,
+    }
     emit(
         result,
         as_json=args.json,

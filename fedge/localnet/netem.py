@@ -43,6 +43,10 @@ class LinkProfile:
         Uniform extra delay in ``[0, jitter_ms]`` per segment (order is kept, so jitter never reorders).
     rate_bytes_per_s : float or None, default None
         Link rate per direction; None is unlimited.
+    burst_bytes : float or None, default None
+        Bytes an idle link may pass at once before the rate applies; None: 5 ms at the rate, at least one
+        64 KiB read (smooth pacing). A small burst (one MTU) charges every message its full serialization
+        time, as a real link does, which matters when messages are smaller than the default burst.
     reset_mean_s : float or None, default None
         Mean seconds between connection resets (exponentially distributed); None never resets.
     blackhole : bool, default False
@@ -54,6 +58,7 @@ class LinkProfile:
     latency_ms: float = 0.0
     jitter_ms: float = 0.0
     rate_bytes_per_s: float | None = None
+    burst_bytes: float | None = None
     reset_mean_s: float | None = None
     blackhole: bool = False
     seed: int | None = None
@@ -61,6 +66,8 @@ class LinkProfile:
     def __post_init__(self) -> None:
         if self.latency_ms < 0 or self.jitter_ms < 0:
             raise ValueError("latency_ms and jitter_ms must be >= 0")
+        if self.burst_bytes is not None and self.burst_bytes <= 0:
+            raise ValueError("burst_bytes must be positive")
         if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
             raise ValueError("rate_bytes_per_s must be positive")
         if self.reset_mean_s is not None and self.reset_mean_s <= 0:
@@ -261,8 +268,9 @@ class LossyLinkProxy:
         if rate is None:
             return None
         if up not in self._buckets:
-            # A burst of 5 ms at the link rate (at least one read) keeps pacing smooth.
-            self._buckets[up] = _TokenBucket(rate, max(rate * 0.005, _READ_SIZE))
+            # By default a burst of 5 ms at the link rate (at least one read) keeps pacing smooth.
+            burst = self._profile.burst_bytes or max(rate * 0.005, _READ_SIZE)
+            self._buckets[up] = _TokenBucket(rate, burst)
         return self._buckets[up]
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool) -> None:
