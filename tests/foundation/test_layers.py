@@ -78,6 +78,8 @@ ALLOWED["partitioning.mqtt"] = ALLOWED["partitioning"] | {
     "transport",
     "inference",
 }
+ALLOWED["bench"] |= {"partitioning.mqtt"}
+ALLOWED["cli"] |= {"partitioning.mqtt"}
 
 
 def _component(module: str) -> str:
