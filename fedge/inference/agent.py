@@ -192,6 +192,7 @@ class InferenceAgent:
                 self.topics,
                 variant_artifact(config.artifact, variant),
                 functools.partial(self._on_variant, variant),
+                on_failed=functools.partial(self._on_failed_variant, variant),
                 verifier=verifier,
                 max_size=config.max_model_bytes,
                 max_chunk_size=config.mqtt.transfer.max_chunk_size,
@@ -291,26 +292,36 @@ class InferenceAgent:
                 header.version, variant, False, "manifest", f"malformed manifest: {err}", received_at
             )
             return
-        manifest = manifest.with_(
-            version=header.version
-        )  # the fleet knows the model by the artifact's version
+        # The fleet knows the model by the artifact's version.
+        manifest = manifest.with_(version=header.version)
         candidates = self.collector.add(variant, header.version, data, manifest)
         if candidates is not None:
             with self._install_lock:  # one version at a time, whichever subscriber completed it
                 self._install(header.version, candidates, received_at)
+
+    def _on_failed_variant(self, variant: str, version: str) -> None:
+        """A variant failed its checksum: install the version from the variants that did arrive."""
+        self._log_swap(version, variant, False, "checksum", "bytes do not match the signed header")
+        candidates = self.collector.fail(variant, version)
+        if candidates is not None:
+            with self._install_lock:
+                self._install(version, candidates, time.time())
 
     def _install(self, version: str, candidates: dict, received_at: float) -> None:
         """Choose among the candidates by measuring them here, then swap the chosen one in."""
         times = {"received_at": received_at, "install_at": time.time()}
         with self.group.out_of_group() as left:  # with a live peer replica, no request waits for this work
             times["swap_started_at"] = time.time()
-            choice = choose_variant(
-                candidates,
-                self._sample(candidates["fp32"][1]),
-                batch=self.config.serve_batch,
-                max_drop_pp=self.config.max_accuracy_drop_pp,
-                config=self.config.session,
-            )
+            try:
+                choice = choose_variant(
+                    candidates,
+                    self._sample(candidates["fp32"][1]),
+                    batch=self.config.serve_batch,
+                    max_drop_pp=self.config.max_accuracy_drop_pp,
+                    config=self.config.session,
+                )
+            except Exception as err:  # a variant ORT cannot build: fp32 is the reference and the fallback
+                choice = Choice("fp32", f"measuring the variants failed ({type(err).__name__}: {err}); fp32")
             data, manifest = candidates[choice.variant]
             result = self.server.swap(data, manifest, version=version, canary=self.canary)
             times["built_at"] = time.time()

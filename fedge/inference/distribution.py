@@ -67,19 +67,34 @@ class VariantCollector:
         self.accepted = accepted
         self._lock = threading.Lock()
         self._pending: dict[str, Candidates] = {}
+        self._expected: dict[str, set[str]] = {}
+        self._failed: dict[str, set[str]] = {}
 
     def add(self, variant: str, version: str, data: bytes, manifest: Manifest) -> Candidates | None:
         """Store one variant; the version's candidates once every expected variant is in, else None."""
-        expected = set(manifest.extra.get("variants", [variant])) & set(self.accepted)
         with self._lock:
-            candidates = self._pending.setdefault(version, {})
-            candidates[variant] = (data, manifest)
-            if not expected <= set(candidates):
-                return None
-            del self._pending[version]
-            for older in [v for v in self._pending if v < version]:
-                del self._pending[older]  # superseded before it was complete
-            return candidates
+            expected = set(manifest.extra.get("variants", [variant])) & set(self.accepted)
+            self._expected.setdefault(version, set()).update(expected)
+            self._pending.setdefault(version, {})[variant] = (data, manifest)
+            return self._complete(version)
+
+    def fail(self, variant: str, version: str) -> Candidates | None:
+        """A variant of ``version`` will not come (it failed its checks): stop waiting for it."""
+        with self._lock:
+            self._failed.setdefault(version, set()).add(variant)
+            return self._complete(version)
+
+    def _complete(self, version: str) -> Candidates | None:
+        candidates = self._pending.get(version, {})
+        waiting = self._expected.get(version, set()) - set(candidates) - self._failed.get(version, set())
+        if "fp32" not in candidates or waiting:
+            return None
+        order = list(self._pending)  # versions in the order their first variant arrived
+        done = order[: order.index(version) + 1]  # this one, and older ones it supersedes
+        for table in (self._pending, self._expected, self._failed):
+            for old in done:
+                table.pop(old, None)
+        return candidates
 
 
 @dataclass(frozen=True)

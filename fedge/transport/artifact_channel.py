@@ -134,6 +134,9 @@ class ArtifactSubscriber:
         Largest artifact accepted (a header above it is refused before any buffer is allocated).
     max_chunk_size : int, default 4 MiB
         Largest chunk size a header may declare.
+    on_failed : callable(str), optional
+        Called on the worker thread with a version whose bytes did not match its signed header (it is not
+        fetched again), so a consumer waiting for several artifacts stops waiting for this one.
     current_version : str or None
         The version the device already holds (e.g. loaded from disk at start); its header is ignored. It
         becomes each version handed to ``on_artifact``, whether or not the consumer accepts it: a version
@@ -151,8 +154,10 @@ class ArtifactSubscriber:
         max_size: int = 256 * 1024 * 1024,
         max_chunk_size: int = 4 * 1024 * 1024,
         current_version: str | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.connection = connection
+        self.on_failed = on_failed
         self.topics = topics
         self.name = name
         self.on_artifact = on_artifact
@@ -166,7 +171,8 @@ class ArtifactSubscriber:
         self._started_at = 0.0
         self._chunk_filter: str | None = None
         self._failed_versions: set[str] = set()
-        self._queue: queue.Queue[tuple[ArtifactHeader, bytes, float] | None] = queue.Queue()
+        # (header, bytes, received at) to hand over; bytes None: that version failed its checksum
+        self._queue: queue.Queue[tuple[ArtifactHeader, bytes | None, float] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._deliver_loop, name=f"artifact-{name}", daemon=True)
 
     def start(self) -> None:
@@ -239,6 +245,7 @@ class ArtifactSubscriber:
             except ArtifactError as err:
                 self._failed_versions.add(version)
                 self._refuse("sha256", str(err))
+                complete = (assembler.header, None, self._started_at)
             self._drop_transfer()
         if complete is not None:
             self._queue.put(complete)
@@ -263,6 +270,10 @@ class ArtifactSubscriber:
     def _deliver_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             header, data, started_at = item
+            if data is None:
+                if self.on_failed is not None:
+                    self.on_failed(header.version)
+                continue
             try:
                 self.on_artifact(header, data, started_at)
             except Exception as err:  # the consumer's bug must not end deliveries

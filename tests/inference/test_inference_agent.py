@@ -250,3 +250,32 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
     finally:
         for replica in replicas:
             replica.stop()
+
+
+def test_a_corrupt_int8_variant_does_not_hold_up_its_fp32(mqtt, coordinator, variants, digits_test, tmp_path):
+    """The int8 artifact's bytes do not match its header: the device serves the version's fp32 anyway."""
+    topics = Topics(coordinator.config.fleet)
+    fp32_path, fp32 = variants["fp32"]
+    int8_path, int8 = variants["int8-static"]
+    int8_bytes = int8_path.read_bytes()
+    meta = {"variants": ["fp32", "int8-static"]}
+    header = ArtifactHeader.for_data(
+        "model-int8-static", "v1", int8_bytes, 16 * 1024, int8.with_(extra={**int8.extra, **meta}).to_dict()
+    )
+    for index, chunk in enumerate(split_chunks(int8_bytes, header.chunk_size)):
+        damaged = bytes([chunk[0] ^ 1]) + chunk[1:] if index == 0 else chunk
+        coordinator.publish(topics.artifact_chunk("model-int8-static", "v1", index), damaged, retain=True)
+    coordinator.publish(topics.artifact("model-int8-static"), header.encode(), retain=True)
+    publisher = ArtifactPublisher(coordinator, topics)
+    publisher.publish(
+        "model-fp32", "v1", fp32_path.read_bytes(), fp32.with_(extra={**fp32.extra, **meta}).to_dict()
+    )
+    with _agent(mqtt, tmp_path) as agent:
+        _wait(lambda: agent.server.serving_version == "v1")
+        status = agent.status()
+        assert status["variant"] == "fp32"
+        assert status["models"]["int8-static"]["refused_reasons"] == {"sha256": 1}
+        assert [(e["variant"], e["ok"]) for e in status["swap_log"]] == [
+            ("int8-static", False),
+            ("fp32", True),
+        ]
