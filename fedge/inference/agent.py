@@ -28,25 +28,23 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedge.atomic import write_bytes_atomic
-from fedge.config import ConfigError, check_types, from_table, read_toml
+from fedge.config import ConfigError
+from fedge.inference.agent_config import InferenceAgentConfig, read_canary
 from fedge.inference.distribution import Choice, VariantCollector, choose_variant, variant_artifact
 from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.inference.manifest import Manifest, write_manifest
 from fedge.inference.replicas import ReplicaGroup
-from fedge.inference.serving import Canary, ModelServer
-from fedge.inference.session import SessionConfig
+from fedge.inference.serving import ModelServer
 from fedge.transport.artifact_channel import ArtifactSubscriber
 from fedge.transport.artifacts import ArtifactHeader
-from fedge.transport.config import MqttConfig
 from fedge.transport.connection import MessageProperties, MqttConnection, Will
-from fedge.transport.signing import InstructionVerifier, load_public_key
+from fedge.transport.signing import InstructionVerifier
 from fedge.transport.topics import Topics
 
 __all__ = ["InferenceAgent", "InferenceAgentConfig"]
@@ -54,94 +52,6 @@ __all__ = ["InferenceAgent", "InferenceAgentConfig"]
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
-
-
-@dataclass
-class InferenceAgentConfig:
-    """What an inference device needs to know.
-
-    Parameters
-    ----------
-    node_id : str
-        This device's name (and MQTT username under the deploy ACL).
-    mqtt : MqttConfig
-        Broker, fleet, credentials.
-    model_dir : str
-        Where the serving model is kept across restarts (``model.onnx`` and its manifest).
-    artifact : str, default "model"
-        The artifact name the coordinator publishes models under (each variant as ``<artifact>-<variant>``).
-    variants : tuple of str, default ("fp32", "int8-static", "int8-dynamic")
-        The variants this device accepts. When a version comes in several, the device measures them on its
-        own CPU and serves the fastest whose accuracy is within ``max_accuracy_drop_pp`` of fp32.
-    serve_batch : int, default 1
-        The batch size the variants are measured at (what this device's requests look like).
-    max_accuracy_drop_pp : float, default 1.0
-        The accuracy bound of an int8 variant against fp32, in percentage points (from the manifests).
-    replicas : int, default 1
-        Serving processes on this device. With 2 (``fedge serve`` starts the second), a swap never pauses a
-        request, at the memory of a second process (:mod:`fedge.inference.replicas`).
-    instruction_keys : tuple of bytes, default ()
-        Raw Ed25519 public keys of the coordinator; with any, only model headers it signed are accepted.
-    max_model_bytes : int, default 256 MiB
-        Largest model accepted (refused from its header, before any buffer is allocated).
-    max_request_bytes : int, default 4 MiB
-        Largest request payload answered.
-    max_batch : int, default 1024
-        Most rows in one request.
-    status_every_s : float, default 5.0
-        How often the retained status is refreshed.
-    canary_file : str, default ""
-        An ``.npz`` with ``inputs`` (and optionally ``labels``) every new model must pass before it serves.
-    canary_min_accuracy : float, default 0.0
-        With labels, the accuracy a new model must reach on the canary.
-    session : SessionConfig
-        ONNX Runtime options (threads from this device's CPUs, no spinning).
-    """
-
-    node_id: str
-    mqtt: MqttConfig
-    model_dir: str
-    artifact: str = "model"
-    variants: tuple[str, ...] = ("fp32", "int8-static", "int8-dynamic")
-    serve_batch: int = 1
-    max_accuracy_drop_pp: float = 1.0
-    replicas: int = 1
-    instruction_keys: tuple[bytes, ...] = ()
-    max_model_bytes: int = 256 * 1024 * 1024
-    max_request_bytes: int = 4 * 1024 * 1024
-    max_batch: int = 1024
-    status_every_s: float = 5.0
-    canary_file: str = ""
-    canary_min_accuracy: float = 0.0
-    session: SessionConfig = field(default_factory=SessionConfig)
-
-    def __post_init__(self) -> None:
-        check_types(self)
-        if self.replicas not in (1, 2):
-            raise ConfigError(f"replicas must be 1 or 2, got {self.replicas}")
-        if "fp32" not in self.variants:
-            raise ConfigError("variants must include fp32 (the reference every version is published in)")
-        for key in ("max_model_bytes", "max_request_bytes", "max_batch", "status_every_s", "serve_batch"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
-        if not 0.0 <= self.canary_min_accuracy <= 1.0:
-            raise ConfigError(f"canary_min_accuracy must be in [0, 1], got {self.canary_min_accuracy}")
-
-    @classmethod
-    def from_toml(cls, path: str | Path) -> InferenceAgentConfig:
-        """``node_id``, ``model_dir``, ``instruction_key_files`` and the caps at the top level, an ``[mqtt]``
-        table (username defaults to the node id) and a ``[session]`` table of :class:`SessionConfig`."""
-        values = read_toml(path)
-        key_files = values.pop("instruction_key_files", None)
-        if key_files is not None:
-            if not (isinstance(key_files, list) and all(isinstance(f, str) for f in key_files)):
-                raise ConfigError("instruction_key_files must be a list of file names")
-            values["instruction_keys"] = [load_public_key(f) for f in key_files]
-        mqtt = MqttConfig.from_table(values.pop("mqtt", {}))
-        if mqtt.username is None and isinstance(values.get("node_id"), str):
-            mqtt = dataclasses.replace(mqtt, username=values["node_id"])
-        session = from_table(SessionConfig, values.pop("session", {}), where="session")
-        return from_table(cls, {**values, "mqtt": mqtt, "session": session})
 
 
 class InferenceAgent:
@@ -163,7 +73,7 @@ class InferenceAgent:
         self._replica_tag = ("replica", str(replica))
         self.topics = Topics(config.mqtt.fleet)
         self.server = ModelServer(config.session)
-        self.canary = _read_canary(config.canary_file, config.canary_min_accuracy)
+        self.canary = read_canary(config.canary_file, config.canary_min_accuracy)
         self.requests = 0
         self.failed_requests: dict[str, int] = {}
         self.swap_log: deque[dict[str, Any]] = deque(maxlen=64)
@@ -408,16 +318,3 @@ class InferenceAgent:
 
     def _will(self) -> Will:
         return Will(self.group.status_topic(), self._status(online=False))
-
-
-def _read_canary(path: str, min_accuracy: float) -> Canary | None:
-    """The canary set from an ``.npz`` file (``inputs``, optional ``labels``); a bad file is a ConfigError."""
-    if not path:
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            inputs = data["inputs"].astype(np.float32)
-            labels = data["labels"] if "labels" in data.files else None
-    except (OSError, KeyError, ValueError) as err:
-        raise ConfigError(f"canary file {path} cannot be read: {err}") from None
-    return Canary(inputs, labels, min_accuracy)
