@@ -18,29 +18,11 @@ from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
 from fedge.inference.distribution import publish_model
 from fedge.inference.remote import InferenceClient, InferenceError
 from fedge.inference.serving import ModelServer
-from fedge.localnet import MosquittoBroker
-from fedge.transport import MqttConfig
 from fedge.transport.artifact_channel import ArtifactPublisher
 from fedge.transport.artifacts import ArtifactHeader, split_chunks
 from fedge.transport.connection import MqttConnection
 from fedge.transport.signing import InstructionSigner
 from fedge.transport.topics import Topics
-
-
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MosquittoBroker]:
-    with MosquittoBroker(tmp_path_factory.mktemp("mosquitto")) as running:
-        yield running
-
-
-@pytest.fixture
-def mqtt(broker: MosquittoBroker) -> Callable[..., MqttConfig]:
-    fleet = f"f{uuid.uuid4().hex[:8]}"
-
-    def make(**fields: object) -> MqttConfig:
-        return MqttConfig(broker_url=broker.url, fleet=fleet, reconnect_max_s=0.5, **fields)  # type: ignore[arg-type]
-
-    return make
 
 
 @pytest.fixture
