@@ -44,6 +44,13 @@ from fedge.inference.serving import ModelServer
 from fedge.transport.artifact_channel import ArtifactSubscriber
 from fedge.transport.artifacts import ArtifactHeader
 from fedge.transport.connection import MessageProperties, MqttConnection, Will
+from fedge.transport.message_chunks import (
+    CHUNK_PROPERTY,
+    ChunkError,
+    MessageAssembler,
+    parse_chunk,
+    split_message,
+)
 from fedge.transport.signing import InstructionVerifier
 from fedge.transport.topics import Topics
 
@@ -77,6 +84,8 @@ class InferenceAgent:
         self.requests = 0
         self.failed_requests: dict[str, int] = {}
         self.swap_log: deque[dict[str, Any]] = deque(maxlen=64)
+        # Large requests arrive in chunks; partial ones are held per requester under its own budget.
+        self._partial = MessageAssembler(config.max_request_bytes, max_open=4, expiry_s=60.0)
         self._stop = threading.Event()
         self._status_thread: threading.Thread | None = None
         suffix = f"-{replica}" if replica else ""
@@ -163,10 +172,25 @@ class InferenceAgent:
 
     # -- requests (paho's thread) ----------------------------------------------------------------------
     def _on_request(self, _topic: str, payload: bytes, props: MessageProperties) -> None:
-        self.requests += 1
         if not props.response_topic:
+            self.requests += 1
             self._count_failure("no-response-topic")
             return  # nowhere to answer; counted and logged once per kind
+        fields = dict(props.user_properties)
+        if CHUNK_PROPERTY in fields:  # one chunk of a large request: answer once it is whole
+            try:
+                index, count = parse_chunk(fields[CHUNK_PROPERTY], max_chunks=4096)
+                key = props.correlation_data or b""
+                whole = self._partial.add(props.response_topic, key, index, count, payload, time.monotonic())
+            except ChunkError as err:
+                self.requests += 1
+                self._count_failure("bad-chunk")
+                self._answer(props, b"", (("status", "error"), ("error", str(err)), ("version", "")))
+                return
+            if whole is None:
+                return
+            payload = whole
+        self.requests += 1
         caps = {"max_bytes": self.config.max_request_bytes, "max_rows": self.config.max_batch}
         try:
             if is_npz(payload):  # named inputs: every output comes back by name
@@ -183,8 +207,18 @@ class InferenceAgent:
             message = f"{type(err).__name__}: {err}"[:500]
             answer, extra = b"", (("status", "error"), ("error", message), ("version", ""))
             self._count_failure("inference")
-        reply = MessageProperties(correlation_data=props.correlation_data, user_properties=extra)
-        self.connection.publish(props.response_topic, answer, qos=0, message_properties=reply)
+        self._answer(props, answer, extra)
+
+    def _answer(self, props: MessageProperties, answer: bytes, extra: tuple[tuple[str, str], ...]) -> None:
+        """Publish an answer on the request's response topic; a large one in chunks at QoS 1."""
+        chunks = split_message(answer, self.config.chunk_bytes)
+        for index, chunk in enumerate(chunks):
+            tag = ((CHUNK_PROPERTY, f"{index}/{len(chunks)}"),) if len(chunks) > 1 else ()
+            reply = MessageProperties(correlation_data=props.correlation_data, user_properties=(*extra, *tag))
+            assert props.response_topic is not None
+            self.connection.publish(
+                props.response_topic, chunk, qos=1 if tag else 0, message_properties=reply
+            )
 
     def _count_failure(self, reason: str) -> None:
         first = reason not in self.failed_requests

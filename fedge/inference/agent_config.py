@@ -49,6 +49,9 @@ class InferenceAgentConfig:
         Largest request payload answered.
     max_batch : int, default 1024
         Most rows in one request.
+    chunk_bytes : int, default 256 KiB
+        Answers larger than this go in chunks at QoS 1 (requests may arrive the same way, each requester
+        holding at most four partial requests within ``max_request_bytes``).
     status_every_s : float, default 5.0
         How often the retained status is refreshed.
     canary_file : str, default ""
@@ -71,6 +74,7 @@ class InferenceAgentConfig:
     max_model_bytes: int = 256 * 1024 * 1024
     max_request_bytes: int = 4 * 1024 * 1024
     max_batch: int = 1024
+    chunk_bytes: int = 256 * 1024
     status_every_s: float = 5.0
     canary_file: str = ""
     canary_min_accuracy: float = 0.0
@@ -82,7 +86,14 @@ class InferenceAgentConfig:
             raise ConfigError(f"replicas must be 1 or 2, got {self.replicas}")
         if "fp32" not in self.variants:
             raise ConfigError("variants must include fp32 (the reference every version is published in)")
-        for key in ("max_model_bytes", "max_request_bytes", "max_batch", "status_every_s", "serve_batch"):
+        for key in (
+            "max_model_bytes",
+            "max_request_bytes",
+            "max_batch",
+            "status_every_s",
+            "serve_batch",
+            "chunk_bytes",
+        ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
         if not 0.0 <= self.canary_min_accuracy <= 1.0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -18,6 +19,13 @@ import numpy as np
 from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import MessageProperties, MqttConnection
+from fedge.transport.message_chunks import (
+    CHUNK_PROPERTY,
+    ChunkError,
+    MessageAssembler,
+    parse_chunk,
+    split_message,
+)
 from fedge.transport.topics import Topics
 
 __all__ = ["InferenceClient", "InferenceError", "Prediction"]
@@ -48,16 +56,27 @@ class InferenceClient:
         This requester's name (its response topic); a random one by default.
     max_answer_bytes : int, default 64 MiB
         Largest answer accepted.
+    chunk_bytes : int, default 256 KiB
+        A request larger than this travels in chunks at QoS 1 (:mod:`fedge.transport.message_chunks`), so a
+        link that drops mid-request re-sends only the chunks the broker had not acknowledged.
     """
 
     def __init__(
-        self, config: MqttConfig, client_id: str | None = None, *, max_answer_bytes: int = 64 * 1024 * 1024
+        self,
+        config: MqttConfig,
+        client_id: str | None = None,
+        *,
+        max_answer_bytes: int = 64 * 1024 * 1024,
+        chunk_bytes: int = 256 * 1024,
     ) -> None:
         self.client_id = client_id or f"requester-{uuid.uuid4().hex[:12]}"
         self.topics = Topics(config.fleet)
         self.max_answer_bytes = max_answer_bytes
+        self.chunk_bytes = chunk_bytes
+        self._answers = MessageAssembler(max_answer_bytes, max_open=64)
         self._reply_topic = self.topics.infer_reply(self.client_id)
         self._pending: dict[bytes, Future[Prediction]] = {}
+        self._targets: dict[bytes, str] = {}  # correlation -> the device asked (its answers' budget)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().bytes[:8]
@@ -96,13 +115,13 @@ class InferenceClient:
         future: Future[Prediction] = Future()
         with self._lock:
             self._pending[correlation] = future
-        properties = MessageProperties(response_topic=self._reply_topic, correlation_data=correlation)
-        self.connection.publish(
-            self.topics.infer_request(node_id),
-            encode_arrays(inputs) if isinstance(inputs, dict) else encode_array(inputs),
-            qos=0,
-            message_properties=properties,
-        )
+            self._targets[correlation] = node_id
+        payload = encode_arrays(inputs) if isinstance(inputs, dict) else encode_array(inputs)
+        topic, chunks = self.topics.infer_request(node_id), split_message(payload, self.chunk_bytes)
+        for index, chunk in enumerate(chunks):
+            tag = ((CHUNK_PROPERTY, f"{index}/{len(chunks)}"),) if len(chunks) > 1 else ()
+            properties = MessageProperties(self._reply_topic, correlation, tag)
+            self.connection.publish(topic, chunk, qos=1 if tag else 0, message_properties=properties)
         return future
 
     def predict(
@@ -117,13 +136,28 @@ class InferenceClient:
                 for key, pending in list(self._pending.items()):
                     if pending is future:
                         del self._pending[key]
+                        self._targets.pop(key, None)
 
     def _on_answer(self, _topic: str, payload: bytes, props: MessageProperties) -> None:
+        correlation, fields = props.correlation_data or b"", dict(props.user_properties)
+        if CHUNK_PROPERTY in fields:  # one chunk of a large answer
+            with self._lock:
+                device = self._targets.get(correlation)
+            if device is None:
+                return
+            try:
+                index, count = parse_chunk(fields[CHUNK_PROPERTY], max_chunks=1 << 16)
+                whole = self._answers.add(device, correlation, index, count, payload, time.monotonic())
+            except ChunkError as err:
+                whole, fields = b"", {"status": "error", "error": f"unreadable answer: {err}"}
+            if whole is None:
+                return
+            payload = whole
         with self._lock:
-            future = self._pending.pop(props.correlation_data or b"", None)
+            future = self._pending.pop(correlation, None)
+            self._targets.pop(correlation, None)
         if future is None:
             return  # a late answer to a request that timed out, or not ours
-        fields = dict(props.user_properties)
         if fields.get("status") != "ok":
             future.set_exception(InferenceError(fields.get("error", "the device answered with an error")))
             return

@@ -10,6 +10,10 @@ executors here are requests to devices, so micro-batches overlap across devices.
 A stage agent that dies is detected (its request times out and its retained status turns offline: the
 broker publishes its will) and the plan is made again over the devices left, reusing the cached costs and
 stage files; the batch in flight is run again on the new placement.
+
+Activations larger than ``chunk_bytes`` travel as numbered chunks at QoS 1 on persistent sessions
+(:mod:`fedge.transport.message_chunks`), so a link that drops mid-transfer costs only the chunks not yet
+acknowledged; each agent reassembles a request within its per-requester budget.
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ class MqttPipeline:
         How long a stage request may take before its device is suspected.
     deploy_timeout_s : float, default 60.0
         How long devices may take to load a new placement.
+    chunk_bytes : int, default 256 KiB
+        Activations larger than this travel in chunks at QoS 1 (:mod:`fedge.transport.message_chunks`): a
+        link that drops mid-transfer re-sends only the chunks not yet acknowledged.
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class MqttPipeline:
         signer: InstructionSigner | None = None,
         timeout_s: float = 10.0,
         deploy_timeout_s: float = 60.0,
+        chunk_bytes: int = 256 * 1024,
     ) -> None:
         self.model, self.graph, self.cost = onnx_model, graph, cost
         self.out_dir = Path(out_dir)
@@ -118,7 +126,7 @@ class MqttPipeline:
         self.topics = Topics(mqtt.fleet)
         self.connection = MqttConnection(mqtt, f"fedge-pipeline-{mqtt.fleet}")
         self.publisher = ArtifactPublisher(self.connection, self.topics, signer)
-        self.client = InferenceClient(mqtt, f"pipeline-{mqtt.fleet}")
+        self.client = InferenceClient(mqtt, f"pipeline-{mqtt.fleet}", chunk_bytes=chunk_bytes)
         self.dead: set[str] = set()
         self.replans = 0
         self.plan: Plan | None = None

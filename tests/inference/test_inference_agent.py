@@ -261,3 +261,23 @@ def test_a_corrupt_int8_variant_does_not_hold_up_its_fp32(mqtt, coordinator, var
             ("int8-static", False),
             ("fp32", True),
         ]
+
+
+def test_large_requests_and_answers_travel_in_chunks_and_survive_a_dropped_link(
+    mqtt, coordinator, variants, digits_test, tmp_path
+):
+    fp32_path, fp32 = variants["fp32"]
+    _publish(ArtifactPublisher(coordinator, Topics(coordinator.config.fleet)), fp32_path, fp32, "v1")
+    x = digits_test[0][:64]  # 16 KiB of inputs, 2.5 KiB of logits
+    local = ModelServer()
+    local.load(fp32_path)
+    with (
+        _agent(mqtt, tmp_path, chunk_bytes=1024) as agent,
+        InferenceClient(mqtt(), chunk_bytes=2048) as client,
+    ):
+        _wait(lambda: agent.server.serving_version == "v1")
+        np.testing.assert_allclose(client.predict("dev-1", x).outputs, local.predict(x), atol=1e-5)
+        agent.connection.drop_link()  # the request's chunks wait in the broker for the agent's session
+        future = client.submit("dev-1", x)
+        np.testing.assert_allclose(future.result(30).outputs, local.predict(x), atol=1e-5)
+        assert agent.connection.connects >= 2 and agent.failed_requests == {}

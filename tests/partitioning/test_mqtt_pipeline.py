@@ -30,7 +30,8 @@ def _start_agent(tmp: Path, broker_url: str, name: str) -> subprocess.Popen:
     config = tmp / f"{name}.toml"
     config.write_text(
         f'node_id = "{name}"\nmodel_dir = "{tmp / name}"\nartifact = "{stage_artifact(name)}"\n'
-        f'status_every_s = 0.2\nmax_batch = 256\n\n[mqtt]\nbroker_url = "{broker_url}"\nfleet = "pipe"\n'
+        "status_every_s = 0.2\nmax_batch = 256\nchunk_bytes = 4096\n\n"
+        f'[mqtt]\nbroker_url = "{broker_url}"\nfleet = "pipe"\n'
         "reconnect_max_s = 0.5\n\n[session]\nintra_op_threads = 1\n"
     )
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
@@ -50,8 +51,10 @@ def test_three_stage_pipeline_over_mqtt_survives_a_killed_stage_agent(tmp_path):
         agents = {name: _start_agent(tmp_path, broker.url, name) for name in DEVICES}
         config = MqttConfig(broker_url=broker.url, fleet="pipe", reconnect_max_s=0.5)
         try:
+            # 4 KiB chunks: every activation crosses in several chunks, both ways.
+            stages = tmp_path / "stages"
             with MqttPipeline(
-                onnx_model, graph, cost, config, tmp_path / "stages", timeout_s=3.0
+                onnx_model, graph, cost, config, stages, timeout_s=3.0, chunk_bytes=4096
             ) as pipeline:
                 deadline = time.monotonic() + 60
                 while pipeline.online() != set(DEVICES):

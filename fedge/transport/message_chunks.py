@@ -1,0 +1,113 @@
+"""Large request/response payloads as numbered chunks: splitting, and reassembly with per-sender caps. Pure.
+
+A request or an answer larger than one chunk travels as ``n`` MQTT messages that share the exchange's
+correlation data and carry the user property ``chunk = "<i>/<n>"``. They go at QoS 1 on persistent sessions,
+so a link that drops mid-transfer costs only the chunks that had not been acknowledged: paho re-sends those
+after reconnecting and the broker delivers what it queued for the other side. The receiver keeps each partial
+message under caps that are per sender (bytes and open messages), so one bad or slow sender fills only its own
+budget, and forgets a partial message after ``expiry_s``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+__all__ = ["CHUNK_PROPERTY", "ChunkError", "MessageAssembler", "parse_chunk", "split_message"]
+
+_REMEMBER_DONE = 4096
+
+CHUNK_PROPERTY = "chunk"
+"""The user property naming a chunk: ``"<index>/<count>"``."""
+
+
+class ChunkError(ValueError):
+    """A chunk that is malformed, inconsistent with its message, or over the sender's budget."""
+
+
+def split_message(payload: bytes, chunk_size: int) -> list[bytes]:
+    """``payload`` in chunks of at most ``chunk_size`` bytes (one chunk when it fits)."""
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    return [payload[i : i + chunk_size] for i in range(0, len(payload), chunk_size)] or [b""]
+
+
+def parse_chunk(value: str, max_chunks: int) -> tuple[int, int]:
+    """``(index, count)`` from a ``"<i>/<n>"`` property; :class:`ChunkError` if malformed or out of range."""
+    index_text, _, count_text = value.partition("/")
+    if not (index_text.isdigit() and count_text.isdigit()):
+        raise ChunkError(f"chunk property {value[:40]!r} is not <index>/<count>")
+    index, count = int(index_text), int(count_text)
+    if not 0 <= index < count <= max_chunks:
+        raise ChunkError(f"chunk {index}/{count} is out of range (at most {max_chunks} chunks)")
+    return index, count
+
+
+@dataclass
+class _Partial:
+    count: int
+    parts: dict[int, bytes] = field(default_factory=dict)
+    size: int = 0
+    started: float = 0.0
+
+
+class MessageAssembler:
+    """Partial messages, keyed by (sender, message key), under per-sender caps.
+
+    Parameters
+    ----------
+    max_bytes : int
+        Largest whole message, and the most bytes one sender may hold in partial messages.
+    max_open : int, default 4
+        Partial messages one sender may have open at once.
+    expiry_s : float, default 60.0
+        A partial message not completed within this long is dropped.
+    """
+
+    def __init__(self, max_bytes: int, *, max_open: int = 4, expiry_s: float = 60.0) -> None:
+        self.max_bytes, self.max_open, self.expiry_s = max_bytes, max_open, expiry_s
+        self._open: dict[str, OrderedDict[bytes, _Partial]] = {}
+        # Recently completed messages: a duplicate chunk arriving late must not open a new partial message.
+        self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self.expired = 0
+
+    def add(self, sender: str, key: bytes, index: int, count: int, chunk: bytes, now: float) -> bytes | None:
+        """Store one chunk; the whole message once its last chunk is in, else None (a duplicate: None)."""
+        self._expire(now)
+        if (sender, key) in self._done:
+            return None
+        messages = self._open.setdefault(sender, OrderedDict())
+        partial = messages.get(key)
+        if partial is None:
+            if len(messages) >= self.max_open:
+                raise ChunkError(f"{sender} has {len(messages)} partial messages open, the most allowed")
+            partial = messages[key] = _Partial(count, started=now)
+        if partial.count != count:
+            raise ChunkError(f"chunk says {count} chunks, the message's first chunk said {partial.count}")
+        if index in partial.parts:
+            return None
+        held = sum(p.size for p in messages.values())
+        if len(chunk) + held > self.max_bytes:
+            del messages[key]
+            raise ChunkError(f"{sender}'s partial messages would exceed {self.max_bytes} bytes")
+        partial.parts[index] = chunk
+        partial.size += len(chunk)
+        if len(partial.parts) < count:
+            return None
+        del messages[key]
+        self._done[(sender, key)] = None
+        while len(self._done) > _REMEMBER_DONE:
+            self._done.popitem(last=False)
+        return b"".join(partial.parts[i] for i in range(count))
+
+    def open_messages(self, sender: str) -> int:
+        """How many partial messages ``sender`` has open."""
+        return len(self._open.get(sender, ()))
+
+    def _expire(self, now: float) -> None:
+        for sender, messages in list(self._open.items()):
+            for key in [k for k, p in messages.items() if now - p.started > self.expiry_s]:
+                del messages[key]
+                self.expired += 1
+            if not messages:
+                del self._open[sender]

@@ -1,0 +1,52 @@
+"""Chunked request/response payloads: splitting and reassembly under per-sender caps (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedge.transport.message_chunks import ChunkError, MessageAssembler, parse_chunk, split_message
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload=st.binary(max_size=5000), size=st.integers(1, 700), order=st.randoms(use_true_random=False))
+def test_chunks_in_any_order_with_duplicates_rebuild_the_payload(payload, size, order):
+    chunks = list(enumerate(split_message(payload, size)))
+    shuffled = chunks + chunks[: len(chunks) // 2]  # duplicates too
+    order.shuffle(shuffled)
+    assembler = MessageAssembler(max_bytes=len(payload) + 1)
+    results = [assembler.add("a", b"k", i, len(chunks), c, now=0.0) for i, c in shuffled]
+    assert [r for r in results if r is not None] == [payload]
+    assert assembler.open_messages("a") == 0
+
+
+def test_budgets_are_per_sender():
+    assembler = MessageAssembler(max_bytes=100, max_open=2)
+    assembler.add("greedy", b"1", 0, 3, b"x" * 40, now=0.0)
+    assembler.add("greedy", b"2", 0, 3, b"x" * 40, now=0.0)
+    with pytest.raises(ChunkError, match="partial messages open"):
+        assembler.add("greedy", b"3", 0, 3, b"x", now=0.0)
+    with pytest.raises(ChunkError, match="exceed 100 bytes"):
+        assembler.add("greedy", b"1", 1, 3, b"x" * 40, now=0.0)
+    assert assembler.add("honest", b"1", 0, 2, b"a" * 50, now=0.0) is None  # untouched by the greedy one
+    assert assembler.add("honest", b"1", 1, 2, b"b" * 50, now=0.0) == b"a" * 50 + b"b" * 50
+
+
+def test_inconsistent_counts_and_expiry():
+    assembler = MessageAssembler(max_bytes=100, expiry_s=5.0)
+    assembler.add("a", b"k", 0, 3, b"x", now=0.0)
+    with pytest.raises(ChunkError, match="first chunk said 3"):
+        assembler.add("a", b"k", 1, 4, b"x", now=1.0)
+    assert assembler.add("b", b"k", 0, 2, b"x", now=10.0) is None  # the old partial expires here
+    assert assembler.open_messages("a") == 0 and assembler.expired == 1
+
+
+@pytest.mark.parametrize("value", ["", "1", "a/2", "2/2", "0/0", "-1/3", "0/5000", "1/2/3"])
+def test_malformed_chunk_properties_are_refused(value):
+    with pytest.raises(ChunkError):
+        parse_chunk(value, max_chunks=4096)
+
+
+def test_well_formed_chunk_property():
+    assert parse_chunk("3/7", max_chunks=10) == (3, 7)
