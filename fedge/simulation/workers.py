@@ -11,6 +11,7 @@ and workers are only ever forked from the calling thread.
 from __future__ import annotations
 
 import collections
+import gc
 import multiprocessing
 import signal
 import time
@@ -155,9 +156,15 @@ class WorkerPool:
         # A Ctrl-C landing inside fork() would raise in the middle of the at-fork handlers (logging's among
         # them) and leave locks held; it is delivered right after the fork instead.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        # Garbage this process holds (an ONNX Runtime session in a reference cycle, say) must never be
+        # collected in a forked worker: its destructor would wait for threads that exist only here (seen:
+        # a worker hung in pthread_cond_destroy). Collect it here, and freeze what is left for the fork.
+        gc.collect()
+        gc.freeze()
         try:
             process.start()
         finally:
+            gc.unfreeze()
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         worker = _Worker(process, parent)

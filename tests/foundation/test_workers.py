@@ -90,3 +90,43 @@ def test_cancel_drops_queued_calls_and_stops_running_ones():
         assert after.result()[0] == b"z"
     finally:
         pool.shutdown()
+
+
+def _collect(payload: bytes, context: bytes) -> tuple[bytes, bytes]:
+    import gc
+
+    return str(gc.collect()).encode(), b""
+
+
+class _Finalized:
+    """Garbage whose finalizer says which process ran it (like an ONNX Runtime session's destructor)."""
+
+    def __init__(self, record: str) -> None:
+        self.record, self.cycle = record, self
+
+    def __del__(self) -> None:
+        with open(self.record, "a") as out:
+            out.write(f"{os.getpid()}\n")
+
+
+def test_a_worker_never_collects_the_parents_garbage(tmp_path):
+    """Garbage this process holds must be finalized here, never in a forked worker: an ONNX Runtime session's
+    destructor there waits for thread-pool threads that exist only here (a worker hung in
+    pthread_cond_destroy)."""
+    import gc
+
+    record = tmp_path / "finalized"
+    gc.disable()  # keep the garbage alive until the pool forks
+    try:
+        _Finalized(str(record))  # a reference cycle: only the collector frees it
+        pool = WorkerPool(_collect, size=1)
+        try:
+            future = pool.submit(b"", b"")
+            pool.wait([future], timeout=60)
+            assert future.done()
+        finally:
+            pool.shutdown(cancel=True)
+    finally:
+        gc.enable()
+        gc.collect()
+    assert record.read_text().split() == [str(os.getpid())]
