@@ -58,7 +58,9 @@ def measure_over_mqtt(
                 agents.append(_agent(Path(tmp), device.name, proxy.url, host_flops / device.flops_per_s))
             config = MqttConfig(broker_url=broker.url, fleet="bench", reconnect_max_s=0.5)
             with MqttPipeline(onnx_model, graph, cost, config, Path(tmp) / "stages", timeout_s=60.0) as pipe:
-                _wait_online(pipe, {d.name for d in cost.fleet.devices})
+                missing = {d.name for d in cost.fleet.devices} - pipe.wait_online(timeout_s=60)
+                if missing:
+                    raise TimeoutError(f"stage agents {sorted(missing)} did not come online")
                 placed: Plan = pipe.deploy()
                 warm = pipe.run(_repeat(feeds, 2), micro_batch=batch)  # warm every session and link
                 output_bytes = sum(v.nbytes for v in warm.values()) // 2
@@ -100,14 +102,6 @@ def _agent(tmp: Path, name: str, broker_url: str, slowdown: float) -> subprocess
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     command = [sys.executable, "-m", "fedge.bench._emulated_stage", str(config), str(slowdown)]
     return subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
-
-
-def _wait_online(pipe: MqttPipeline, names: set[str], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not names <= pipe.online():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"stage agents online: {sorted(pipe.online())} of {sorted(names)}")
-        time.sleep(0.05)
 
 
 def _repeat(feeds: dict[str, np.ndarray], times: int) -> dict[str, np.ndarray]:

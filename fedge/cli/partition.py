@@ -197,11 +197,7 @@ def _run_over_mqtt(
         with MqttPipeline(
             onnx_model, graph, CostModel(graph, fleet_spec), config, out, objective=objective
         ) as pipe:
-            names = {d.name for d in fleet_spec.devices}
-            deadline = time.monotonic() + 30
-            while not names <= pipe.online() and time.monotonic() < deadline:
-                time.sleep(0.1)  # retained statuses arrive right after connecting
-            pipe.dead |= names - pipe.online()
+            pipe.dead |= {d.name for d in fleet_spec.devices} - pipe.wait_online(timeout_s=30)
             placed = pipe.deploy()
             typer.echo(placed.explain())
             start = time.perf_counter()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,7 +168,18 @@ class MqttPipeline:
     def online(self) -> set[str]:
         """Devices of the fleet whose retained status says they are online."""
         with self._changed:
-            return {name for name, status in self._status.items() if status.get("online")}
+            return self._online()
+
+    def wait_online(self, names: Iterable[str] | None = None, timeout_s: float = 30.0) -> set[str]:
+        """Wait until every device of ``names`` (default: the fleet's) is online, at most ``timeout_s``;
+        returns the devices online then. Retained statuses arrive right after connecting."""
+        wanted = set(names) if names is not None else {d.name for d in self.cost.fleet.devices}
+        with self._changed:
+            self._changed.wait_for(lambda: wanted <= self._online(), timeout_s)
+            return self._online()
+
+    def _online(self) -> set[str]:
+        return {name for name, status in self._status.items() if status.get("online")}
 
     def deploy(self) -> Plan:
         """Plan over the devices not known dead, publish every stage, wait until each device serves it."""
@@ -195,16 +206,12 @@ class MqttPipeline:
         return result
 
     def _wait_serving(self, versions: dict[str, str]) -> None:
-        deadline = time.monotonic() + self.deploy_timeout_s
+        def waiting() -> list[str]:
+            return [d for d, v in versions.items() if self._status.get(d, {}).get("version") != v]
+
         with self._changed:
-            while True:
-                waiting = [d for d, v in versions.items() if self._status.get(d, {}).get("version") != v]
-                if not waiting:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"devices {', '.join(waiting)} did not load their stages in time")
-                self._changed.wait(left)
+            if not self._changed.wait_for(lambda: not waiting(), self.deploy_timeout_s):
+                raise TimeoutError(f"devices {', '.join(waiting())} did not load their stages in time")
 
     # -- running -----------------------------------------------------------------------------------------
     def run(
@@ -225,11 +232,8 @@ class MqttPipeline:
 
     def _handle_failure(self, err: StageFailed) -> None:
         """Decide whether the device is gone (offline status within the timeout) and place again."""
-        deadline = time.monotonic() + self.timeout_s
         with self._changed:
-            while self._status.get(err.device, {}).get("online", False) and time.monotonic() < deadline:
-                self._changed.wait(max(0.0, deadline - time.monotonic()))
-            gone = not self._status.get(err.device, {}).get("online", False)
+            gone = self._changed.wait_for(lambda: err.device not in self._online(), self.timeout_s)
         if gone:
             self.dead.add(err.device)
             log.warning("%s; it is offline: re-placing its stage over %d devices", err, self._alive_count())

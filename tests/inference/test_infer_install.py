@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from waiting import wait_until
 
 from fedge.inference.distribution import publish_model
 from fedge.inference.remote import InferenceClient, InferenceError
@@ -157,15 +158,15 @@ def test_infer_only_venv_serves_and_swaps_mid_stream(infer_venv, variants, digit
 
                 thread = threading.Thread(target=stream)
                 thread.start()
-                _until(lambda: len(answers) >= 20, agent)
+                wait_until(lambda: len(answers) >= 20, 60, process=agent)
                 files = {
                     "fp32": (fp32_path.read_bytes(), fp32),
                     "int8-static": (int8_path.read_bytes(), int8),
                 }
                 publish_model(publisher, "v2", files)
-                _until(lambda: answers and answers[-1] == "v2", agent)
+                wait_until(lambda: answers and answers[-1] == "v2", 60, process=agent)
                 count = len(answers)
-                _until(lambda: len(answers) >= count + 20, agent)
+                wait_until(lambda: len(answers) >= count + 20, 60, process=agent)
                 stop.set()
                 thread.join()
             assert failures == []
@@ -190,11 +191,3 @@ def _first_answer(client: InferenceClient, x: np.ndarray, agent: subprocess.Pope
             pass
         assert agent.poll() is None, agent.stderr.read()
         assert time.monotonic() < deadline, "the agent never answered"
-
-
-def _until(condition, agent: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert agent.poll() is None, agent.stderr.read()
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)

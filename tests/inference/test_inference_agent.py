@@ -5,14 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from waiting import wait_until
 
 from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
 from fedge.inference.distribution import publish_model
@@ -31,14 +31,6 @@ def coordinator(mqtt) -> Iterator[MqttConnection]:
     connection.start()
     yield connection
     connection.close()
-
-
-def _wait(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def _publish(publisher: ArtifactPublisher, path, manifest, version: str) -> ArtifactHeader:
@@ -63,7 +55,7 @@ def test_device_serves_published_model_and_swaps_mid_stream(
     expected["v1"].load(fp32_path)
     expected["v2"].load(int8_path)
     with _agent(mqtt, tmp_path) as agent, InferenceClient(mqtt()) as client:
-        _wait(lambda: agent.server.serving_version == "v1")
+        wait_until(lambda: agent.server.serving_version == "v1")
         first = client.predict("dev-1", x)
         assert first.version == "v1"
         np.testing.assert_allclose(first.outputs, expected["v1"].predict(x), atol=1e-5)
@@ -81,12 +73,12 @@ def test_device_serves_published_model_and_swaps_mid_stream(
 
         thread = threading.Thread(target=stream)
         thread.start()
-        _wait(lambda: len(answers) >= 20)
+        wait_until(lambda: len(answers) >= 20)
         files = {"fp32": (fp32_path.read_bytes(), fp32), "int8-static": (int8_path.read_bytes(), int8)}
         publish_model(publisher, "v2", files)  # the device measures both here and serves the faster
-        _wait(lambda: agent.server.serving_version == "v2")
+        wait_until(lambda: agent.server.serving_version == "v2")
         count = len(answers)
-        _wait(lambda: len(answers) >= count + 20)
+        wait_until(lambda: len(answers) >= count + 20)
         stop.set()
         thread.join()
         assert all(ok for _, ok in answers), "a request failed during the swap"
@@ -108,7 +100,7 @@ def test_device_serves_published_model_and_swaps_mid_stream(
     with _agent(mqtt, tmp_path) as again:
         assert again.server.serving_version == "v2"
         # The retained v2 header arrives on subscribing and must not start a transfer.
-        _wait(lambda: again.subscribers["fp32"].stats.headers_seen >= 1)
+        wait_until(lambda: again.subscribers["fp32"].stats.headers_seen >= 1)
         status = again.status()
         assert status["models"]["fp32"]["receiving"] == "" and status["models"]["fp32"]["delivered"] == 0
 
@@ -125,15 +117,15 @@ def test_unsigned_and_corrupt_models_are_refused_and_old_model_keeps_serving(
     x = digits_test[0][:4]
     with _agent(mqtt, tmp_path, instruction_keys=(public,)) as agent, InferenceClient(mqtt()) as client:
         _publish(signed, fp32_path, fp32, "good")
-        _wait(lambda: agent.server.serving_version == "good")
+        wait_until(lambda: agent.server.serving_version == "good")
         _publish(unsigned, fp32_path, fp32, "forged")
-        _wait(lambda: agent.subscribers["fp32"].stats.headers_refused == 1)
+        wait_until(lambda: agent.subscribers["fp32"].stats.headers_refused == 1)
         # Signed, but the bytes are not an ONNX model: built beside the old one, refused, old one serves.
         garbage = np.random.default_rng(0).bytes(5000)
         publish_model(
             signed, "broken", {"fp32": (garbage, fp32.with_(sha256=hashlib.sha256(garbage).hexdigest()))}
         )
-        _wait(lambda: agent.status()["failed_swaps"].get("load", 0) == 1)
+        wait_until(lambda: agent.status()["failed_swaps"].get("load", 0) == 1)
         assert client.predict("dev-1", x).version == "good"
         status = agent.status()
         assert status["models"]["fp32"]["refused_reasons"] == {"header": 1}
@@ -145,7 +137,7 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
     fp32_path, fp32 = variants["fp32"]
     _publish(ArtifactPublisher(coordinator, Topics(coordinator.config.fleet)), fp32_path, fp32, "v1")
     with _agent(mqtt, tmp_path, max_batch=16) as agent, InferenceClient(mqtt()) as client:
-        _wait(lambda: agent.server.serving_version == "v1")
+        wait_until(lambda: agent.server.serving_version == "v1")
         request_topic = client.topics.infer_request("dev-1")
         future = client.submit("dev-1", np.zeros((1, 1, 8, 8), np.float32))
         future.result(10)
@@ -156,7 +148,7 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
         client.connection.publish(
             request_topic, b"\x93NUMPY garbage"
         )  # no response topic: counted, unanswered
-        _wait(lambda: agent.failed_requests.get("no-response-topic", 0) == 1)
+        wait_until(lambda: agent.failed_requests.get("no-response-topic", 0) == 1)
         assert agent.failed_requests == {"bad-request": 1, "inference": 1, "no-response-topic": 1}
         assert client.predict("dev-1", np.zeros((2, 1, 8, 8), np.float32)).outputs.shape == (2, 10)
 
@@ -174,14 +166,14 @@ def test_transfer_interrupted_mid_way_resumes_from_retained_chunks(mqtt, coordin
     coordinator.publish(topics.artifact("model-fp32"), header.encode(), retain=True)
     with _agent(mqtt, tmp_path) as agent:
         subscriber = agent.subscribers["fp32"]
-        _wait(lambda: subscriber.stats.receiving == "v1")
-        _wait(
+        wait_until(lambda: subscriber.stats.receiving == "v1")
+        wait_until(
             lambda: subscriber._assembler is not None and subscriber._assembler.missing == len(chunks) - half
         )
         agent.models_connection.drop_link()
         for index in range(half, len(chunks)):
             coordinator.publish(topics.artifact_chunk("model-fp32", "v1", index), chunks[index], retain=True)
-        _wait(lambda: subscriber.stats.delivered == 1)  # counted once the swap returns
+        wait_until(lambda: subscriber.stats.delivered == 1)  # counted once the swap returns
         stats = subscriber.stats
         assert stats.delivered == 1 and stats.transfers_abandoned == 0
         assert agent.models_connection.connects >= 2
@@ -202,8 +194,8 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
     for replica in replicas:
         replica.start()
     try:
-        _wait(lambda: all(r.server.serving_version == "v1" for r in replicas))
-        _wait(lambda: all(r.group._peer_serving() for r in replicas))  # each sees the other's status
+        wait_until(lambda: all(r.server.serving_version == "v1" for r in replicas))
+        wait_until(lambda: all(r.group._peer_serving() for r in replicas))  # each sees the other's status
         with InferenceClient(mqtt()) as client:
             answers: list[str] = []
             stop = threading.Event()
@@ -215,13 +207,13 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
 
             thread = threading.Thread(target=stream)
             thread.start()
-            _wait(lambda: len(answers) >= 20)
+            wait_until(lambda: len(answers) >= 20)
             before = [r.group.swaps_out_of_group for r in replicas]  # v1 may or may not have found a peer
             files = {"fp32": (fp32_path.read_bytes(), fp32), "int8-static": (int8_path.read_bytes(), int8)}
             publish_model(publisher, "v2", files)
-            _wait(lambda: all(r.server.serving_version == "v2" for r in replicas))
+            wait_until(lambda: all(r.server.serving_version == "v2" for r in replicas))
             count = len(answers)
-            _wait(lambda: len(answers) >= count + 20)
+            wait_until(lambda: len(answers) >= count + 20)
             stop.set()
             thread.join()
         assert answers[0] == "v1" and answers[-1] == "v2"
@@ -253,7 +245,7 @@ def test_a_corrupt_int8_variant_does_not_hold_up_its_fp32(mqtt, coordinator, var
         "model-fp32", "v1", fp32_path.read_bytes(), fp32.with_(extra={**fp32.extra, **meta}).to_dict()
     )
     with _agent(mqtt, tmp_path) as agent:
-        _wait(lambda: agent.server.serving_version == "v1")
+        wait_until(lambda: agent.server.serving_version == "v1")
         status = agent.status()
         assert status["variant"] == "fp32"
         assert status["models"]["int8-static"]["refused_reasons"] == {"sha256": 1}
@@ -275,7 +267,7 @@ def test_large_requests_and_answers_travel_in_chunks_and_survive_a_dropped_link(
         _agent(mqtt, tmp_path, chunk_bytes=1024) as agent,
         InferenceClient(mqtt(), chunk_bytes=2048) as client,
     ):
-        _wait(lambda: agent.server.serving_version == "v1")
+        wait_until(lambda: agent.server.serving_version == "v1")
         np.testing.assert_allclose(client.predict("dev-1", x).outputs, local.predict(x), atol=1e-5)
         agent.connection.drop_link()  # the request's chunks wait in the broker for the agent's session
         future = client.submit("dev-1", x)

@@ -8,11 +8,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from fedge.localnet import MosquittoBroker
 from fedge.partitioning import CostModel, Device, Fleet
@@ -56,10 +56,7 @@ def test_three_stage_pipeline_over_mqtt_survives_a_killed_stage_agent(tmp_path):
             with MqttPipeline(
                 onnx_model, graph, cost, config, stages, timeout_s=3.0, chunk_bytes=4096
             ) as pipeline:
-                deadline = time.monotonic() + 60
-                while pipeline.online() != set(DEVICES):
-                    assert time.monotonic() < deadline, f"agents online: {pipeline.online()}"
-                    time.sleep(0.05)
+                assert pipeline.wait_online(timeout_s=60) == set(DEVICES)
                 placed = pipeline.deploy()
                 assert sorted(s.device for s in placed.stages) == list(DEVICES)  # one stage per agent
 
@@ -74,10 +71,7 @@ def test_three_stage_pipeline_over_mqtt_survives_a_killed_stage_agent(tmp_path):
                     target=lambda: result.update(out=pipeline.run(batch, micro_batch=1))
                 )
                 runner.start()
-                deadline = time.monotonic() + 30
-                while pipeline.client.sent < 300 + 30:  # the first run sent 300; let 30 more go
-                    assert time.monotonic() < deadline
-                    time.sleep(0.002)
+                wait_until(lambda: pipeline.client.sent >= 300 + 30)  # the first run sent 300; 30 more go
                 agents[victim].send_signal(signal.SIGKILL)
                 runner.join(120)
                 assert "out" in result, "the run did not complete after the stage agent died"

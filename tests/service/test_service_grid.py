@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from waiting import wait_until
 
 from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
@@ -46,13 +46,6 @@ def _node(mqtt, name: str) -> NodeEndpoint:
     return endpoint
 
 
-def _wait(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_agents_train_over_mqtt_and_every_update_is_audited(mqtt, tmp_path):
     audit: list[dict] = []
     agents = [
@@ -74,7 +67,7 @@ def test_agents_train_over_mqtt_and_every_update_is_audited(mqtt, tmp_path):
             assert sorted(grid.get_node_ids()) == sorted(flower_node_id(f"dev{i}") for i in range(3))
             set_task_identity(run_id=1)
             history = run_federated(grid, AppConfig(rounds=2, local_epochs=1, min_nodes=3))
-            _wait(lambda: len(grid.profiles) == 3)
+            wait_until(lambda: len(grid.profiles) == 3, 10)
             assert grid.profiles["dev0"].cpus >= 1
     finally:
         for agent in agents:
@@ -98,13 +91,13 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
 
             mallory.send(reply, message_id="forged").wait(10)  # alice's reply, from mallory's outbox
             alice.send(b"\x00garbage", message_id="junk").wait(10)
-            _wait(lambda: grid.dropped["wrong-sender"] == 1 and grid.dropped["undecodable"] == 1)
+            wait_until(lambda: grid.dropped["wrong-sender"] == 1 and grid.dropped["undecodable"] == 1, 10)
             assert grid.pull_messages([instruction_id]) == []
 
             alice.send(reply, message_id="first").wait(10)
-            _wait(lambda: len(grid._replies) == 1)
+            wait_until(lambda: len(grid._replies) == 1, 10)
             alice.send(reply, message_id="again").wait(10)  # a re-sent copy after a reconnect
-            _wait(lambda: grid.dropped["late"] == 1)
+            wait_until(lambda: grid.dropped["late"] == 1, 10)
             (got,) = grid.pull_messages([instruction_id])
             assert got.metadata.src_node_id == flower_node_id("alice")
 
@@ -113,7 +106,7 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
             assert list(replies) == []
             stale = alice.receive(timeout=10)
             alice.send(_reply_to(bytes(stale.payload)), message_id="stale").wait(10)
-            _wait(lambda: grid.dropped["late"] == 2)
+            wait_until(lambda: grid.dropped["late"] == 2, 10)
         finally:
             alice.close()
             mallory.close()
@@ -135,10 +128,10 @@ def test_signed_replies_are_checked_per_node(mqtt):
             bob.send(reply, message_id="unsigned").wait(10)
             bob.send(sign(b"x" * 32, reply), message_id="other-key").wait(10)
             bob.send(bytes(tampered), message_id="tampered").wait(10)
-            _wait(lambda: grid.dropped["signature"] == 3)
+            wait_until(lambda: grid.dropped["signature"] == 3, 10)
             assert grid.pull_messages([instruction_id]) == []
             bob.send(sign(keys["bob"], reply), message_id="good").wait(10)
-            _wait(lambda: len(grid._replies) == 1)
+            wait_until(lambda: len(grid._replies) == 1, 10)
         finally:
             bob.close()
 
@@ -149,7 +142,7 @@ def test_profile_messages_are_size_checked(mqtt):
         try:
             node.send(json.dumps({"cpus": 4}).encode(), message_id="profile:1").wait(10)
             node.send(b"[1, 2]", message_id="profile:2").wait(10)
-            _wait(lambda: grid.dropped["bad-profile"] == 1 and "carol" in grid.profiles)
+            wait_until(lambda: grid.dropped["bad-profile"] == 1 and "carol" in grid.profiles, 10)
         finally:
             node.close()
     assert grid.profiles["carol"] == DeviceProfile(cpus=4)
@@ -187,7 +180,7 @@ def test_agent_state_survives_a_restart(mqtt, tmp_path, monkeypatch, crash_after
             (tmp_path / "inbox" / f"{last_id}.msg").write_bytes(pending)
         second = DeviceAgent(config)
         second.start()
-        _wait(lambda: grid.node_name(flower_node_id("dave")) is not None)
+        wait_until(lambda: grid.node_name(flower_node_id("dave")) is not None, 10)
         (reply,) = grid.send_and_receive([_instruction(grid, "dave")], timeout=30)
         second.close()
     assert reply.content["metrics"]["count"] == 2  # the counter in context.state survived the restart
