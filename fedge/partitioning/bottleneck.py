@@ -204,7 +204,7 @@ def coarse_start(st: StageArrays, limit: int, stride: int = 16) -> Segments | No
         Stage costs and memory windows.
     limit : int
         At most this many stages.
-    stride : int (default: 8)
+    stride : int (default: 16)
         One candidate cut per this many: in each run of ``stride`` cuts the one whose tensors are cheapest
         to pass on (``a[d, j] - b[d, j]`` is the cost of cutting at ``j`` alone: transfer, copies).
     """

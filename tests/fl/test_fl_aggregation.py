@@ -6,12 +6,12 @@ import logging
 
 import numpy as np
 import pytest
+from fl_helpers import configured_train
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from fedge.compression import build_codec
-from fedge.flower.compat import set_message_id
 from fedge.protocol.records import INSTRUCTION_KEY, UPDATE_KEY, arrays_to_record, record_to_arrays
 from fedge.server import CompressionConfig, ReplyScreen, ServerOptimizer, StreamingFedAvg
 from fedge.server.screening import ratio_outliers
@@ -25,14 +25,7 @@ MODEL = {
 
 
 def _configured(strategy, nodes: int = 4) -> list[Message]:
-    grid = LocalGrid(ClientApp(), nodes)  # only asked for its node ids: nothing is sent
-    try:
-        messages = list(strategy.configure_train(1, arrays_to_record(MODEL, {}), ConfigRecord(), grid))
-    finally:
-        grid.shutdown()
-    for i, message in enumerate(messages):
-        set_message_id(message, f"{i:032d}")
-    return messages
+    return configured_train(strategy, MODEL, LocalGrid(ClientApp(), nodes))
 
 
 def _reply(message: Message, payload: bytes, examples: float = 10.0, base: int = 1) -> Message:

@@ -6,6 +6,7 @@ import logging
 
 import numpy as np
 import pytest
+from fl_helpers import configured_train
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg
@@ -15,8 +16,7 @@ from fedge.app.config import AppConfig
 from fedge.app.server_app import build_strategy, train_config_record
 from fedge.compression import build_codec
 from fedge.config import ConfigError
-from fedge.flower.compat import set_message_id
-from fedge.protocol.records import UPDATE_KEY, arrays_to_record, record_to_arrays
+from fedge.protocol.records import UPDATE_KEY, record_to_arrays
 from fedge.server import (
     CompressionConfig,
     DecodingStrategy,
@@ -93,14 +93,7 @@ def test_robust_config_refuses_bad_settings():
 
 
 def _configured(strategy, nodes: int) -> list[Message]:
-    grid = LocalGrid(ClientApp(), nodes)  # only asked for its node ids: nothing is sent
-    try:
-        messages = list(strategy.configure_train(1, arrays_to_record(MODEL, {}), ConfigRecord(), grid))
-    finally:
-        grid.shutdown()
-    for i, message in enumerate(messages):
-        set_message_id(message, f"{i:032d}")
-    return messages
+    return configured_train(strategy, MODEL, LocalGrid(ClientApp(), nodes))
 
 
 def _reply(message: Message, payload: bytes, examples: float = 10.0) -> Message:

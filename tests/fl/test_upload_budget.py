@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fl_helpers import configured_train
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -13,8 +14,8 @@ from fedge.app.server_app import run_federated
 from fedge.app.task import prepare_task
 from fedge.compression import CodecConfigError, Schema, bind, build_codec, decode
 from fedge.devices.fleet import CATALOGUE, ClientProfile, FleetConfig, LinkProfile, mbit_per_s
-from fedge.flower.compat import set_message_id, set_task_identity
-from fedge.protocol.records import INSTRUCTION_KEY, UPDATE_KEY, arrays_to_record, record_to_arrays
+from fedge.flower.compat import set_task_identity
+from fedge.protocol.records import INSTRUCTION_KEY, UPDATE_KEY, record_to_arrays
 from fedge.server import CompressionConfig, StreamingFedAvg
 from fedge.server.budget import UploadBudget
 from fedge.server.metered_grid import MeteredGrid
@@ -79,13 +80,8 @@ def test_two_codecs_to_two_nodes_screened_and_summed_in_one_aggregation():
     budget = UploadBudget(deadline_s=1.0, min_density=0.01, max_density=0.5)
     strategy = StreamingFedAvg(CompressionConfig(codec="fp32", budget=budget), min_available_nodes=2)
     grid = _LinkedGrid(ClientApp(), 2)
-    try:
-        links = grid.node_links()
-        messages = list(strategy.configure_train(1, arrays_to_record(MODEL, {}), ConfigRecord(), grid))
-    finally:
-        grid.shutdown()
-    for i, message in enumerate(messages):
-        set_message_id(message, f"{i:032d}")
+    links = grid.node_links()
+    messages = configured_train(strategy, MODEL, grid)
     size = sum(v.size for v in MODEL.values())
     specs = {m.metadata.dst_node_id: m.content[INSTRUCTION_KEY]["codec"] for m in messages}
     assert specs == {node: budget.codec(link, size) for node, link in links.items()}
@@ -112,13 +108,7 @@ def test_two_codecs_to_two_nodes_screened_and_summed_in_one_aggregation():
     # The same round on a second, identical strategy, each reply answering the other node's message:
     # bound to the other codec's schema, both are refused, as each node is screened against its own.
     twin = StreamingFedAvg(CompressionConfig(codec="fp32", budget=budget), min_available_nodes=2)
-    grid = _LinkedGrid(ClientApp(), 2)
-    try:
-        twin_messages = list(twin.configure_train(1, arrays_to_record(MODEL, {}), ConfigRecord(), grid))
-    finally:
-        grid.shutdown()
-    for i, message in enumerate(twin_messages):
-        set_message_id(message, f"{i:032d}")
+    twin_messages = configured_train(twin, MODEL, _LinkedGrid(ClientApp(), 2))
     by_node = {m.metadata.dst_node_id: m for m in twin_messages}
     swapped = [
         Message(r.content, reply_to=by_node[m.metadata.dst_node_id])
