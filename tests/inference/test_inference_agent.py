@@ -125,7 +125,8 @@ def test_unsigned_and_corrupt_models_are_refused_and_old_model_keeps_serving(
         publish_model(
             signed, "broken", {"fp32": (garbage, fp32.with_(sha256=hashlib.sha256(garbage).hexdigest()))}
         )
-        wait_until(lambda: agent.status()["failed_swaps"].get("load", 0) == 1)
+        wait_until(lambda: len(agent.swap_log) == 2)  # logged once the swap has returned
+        assert agent.status()["failed_swaps"].get("load", 0) == 1
         assert client.predict("dev-1", x).version == "good"
         status = agent.status()
         assert status["models"]["fp32"]["refused_reasons"] == {"header": 1}
@@ -245,9 +246,9 @@ def test_a_corrupt_int8_variant_does_not_hold_up_its_fp32(mqtt, coordinator, var
         "model-fp32", "v1", fp32_path.read_bytes(), fp32.with_(extra={**fp32.extra, **meta}).to_dict()
     )
     with _agent(mqtt, tmp_path) as agent:
-        wait_until(lambda: agent.server.serving_version == "v1")
+        wait_until(lambda: len(agent.swap_log) == 2)  # the refused int8, then the installed fp32
         status = agent.status()
-        assert status["variant"] == "fp32"
+        assert status["version"] == "v1" and status["variant"] == "fp32"
         assert status["models"]["int8-static"]["refused_reasons"] == {"sha256": 1}
         assert [(e["variant"], e["ok"]) for e in status["swap_log"]] == [
             ("int8-static", False),

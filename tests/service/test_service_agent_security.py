@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from service_helpers import reference_agent
 
 import fedge.client.agent as agent_module
 import fedge.transport.grid as grid_module
@@ -258,15 +259,7 @@ def test_the_journal_is_bounded_and_what_it_forgot_is_refused(mqtt, tmp_path, co
 
 def test_the_coordinator_service_signs_what_its_agents_require(mqtt, tmp_path):
     key, public = _keypair(tmp_path, "coordinator")
-    agent = DeviceAgent(
-        AgentConfig(
-            node_id="mona",
-            mqtt=mqtt(),
-            state_dir=str(tmp_path / "agent"),
-            node_config={"partition-id": 0, "num-partitions": 1},
-            instruction_keys=(load_public_key(public),),
-        )
-    )
+    agent = reference_agent(mqtt(), tmp_path / "agent", "mona", instruction_keys=(load_public_key(public),))
     agent.start()
     try:
         service = ServiceConfig(

@@ -7,10 +7,10 @@ import threading
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
+from service_helpers import reference_agent
 
 from fedge.app.config import AppConfig
 from fedge.app.server_app import federated_run
-from fedge.client.agent import AgentConfig, DeviceAgent
 from fedge.server.service import ServiceConfig, run_service
 from fedge.transport.topics import Topics
 
@@ -30,14 +30,7 @@ def _garbage(broker_port: int, topic: str, stop: threading.Event) -> None:
 
 def test_drops_per_sender_reach_status_and_metrics(mqtt, broker, tmp_path):
     config = mqtt()
-    agent = DeviceAgent(
-        AgentConfig(
-            node_id="honest",
-            mqtt=config,
-            state_dir=str(tmp_path / "agent"),
-            node_config={"partition-id": 0, "num-partitions": 1},
-        )
-    )
+    agent = reference_agent(config, tmp_path / "agent", "honest")
     agent.start()
     stop = threading.Event()
     flooder = threading.Thread(

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 
+from service_helpers import reference_agent
 from waiting import wait_until
 
 from fedge.app.config import AppConfig
 from fedge.app.coordinator import CoordinatorConfig, run_coordinator
-from fedge.client.agent import AgentConfig, DeviceAgent
 from fedge.inference import read_manifest, sha256_file
 from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
 from fedge.server.model_export import ExportedModel, read_latest
@@ -17,14 +17,7 @@ from fedge.server.service import ServiceConfig
 
 
 def test_the_service_exports_every_round_and_survives_a_failing_publisher(mqtt, tmp_path):
-    agent = DeviceAgent(
-        AgentConfig(
-            node_id="ada",
-            mqtt=mqtt(),
-            state_dir=str(tmp_path / "agent"),
-            node_config={"partition-id": 0, "num-partitions": 1},
-        )
-    )
+    agent = reference_agent(mqtt(), tmp_path / "agent", "ada")
     published: list[ExportedModel] = []
 
     def publish(exported: ExportedModel) -> None:
@@ -57,14 +50,7 @@ def test_the_service_exports_every_round_and_survives_a_failing_publisher(mqtt, 
 def test_the_service_publishes_each_export_and_an_inference_device_serves_the_last(mqtt, tmp_path):
     """Coordinator, training agent and torch-free inference agent on one real broker: the device ends up
     serving the last round's model, chosen among the variants by measuring them itself."""
-    trainer = DeviceAgent(
-        AgentConfig(
-            node_id="ada",
-            mqtt=mqtt(),
-            state_dir=str(tmp_path / "agent"),
-            node_config={"partition-id": 0, "num-partitions": 1},
-        )
-    )
+    trainer = reference_agent(mqtt(), tmp_path / "agent", "ada")
     device = InferenceAgent(
         InferenceAgentConfig(node_id="cam", mqtt=mqtt(), model_dir=str(tmp_path / "cam"), status_every_s=0.2)
     )
@@ -74,7 +60,8 @@ def test_the_service_publishes_each_export_and_an_inference_device_serves_the_la
         service = ServiceConfig(mqtt=mqtt(), state_dir=str(tmp_path / "coordinator"), wait_for_nodes_s=60.0)
         app = AppConfig(rounds=2, local_epochs=1, min_nodes=1, export_variants=["fp32", "int8-dynamic"])
         history = run_coordinator(CoordinatorConfig(service=service, app=app))
-        wait_until(lambda: device.server.serving_version == "r0002", 60, what="the device serving r0002")
+        # The swap log records a swap once it has returned (the choice of variant included).
+        wait_until(lambda: any(e["version"] == "r0002" for e in device.swap_log), 60, what="r0002 installed")
         status = device.status()
     finally:
         trainer.close()

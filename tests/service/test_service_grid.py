@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from service_helpers import reference_agent
 from waiting import wait_until
 
 from fedge.app.config import AppConfig
@@ -48,17 +49,7 @@ def _node(mqtt, name: str) -> NodeEndpoint:
 
 def test_agents_train_over_mqtt_and_every_update_is_audited(mqtt, tmp_path):
     audit: list[dict] = []
-    agents = [
-        DeviceAgent(
-            AgentConfig(
-                node_id=f"dev{i}",
-                mqtt=mqtt(),
-                state_dir=str(tmp_path / f"a{i}"),
-                node_config={"partition-id": i, "num-partitions": 3},
-            )
-        )
-        for i in range(3)
-    ]
+    agents = [reference_agent(mqtt(), tmp_path / f"a{i}", f"dev{i}", i, 3) for i in range(3)]
     for agent in agents:
         agent.start()
     try:
@@ -201,17 +192,7 @@ def test_an_instruction_the_channel_refuses_is_skipped_not_fatal(mqtt, caplog):
 
 
 def test_compressed_replies_travel_in_the_compact_envelope(mqtt, tmp_path):
-    agents = [
-        DeviceAgent(
-            AgentConfig(
-                node_id=f"dev{i}",
-                mqtt=mqtt(),
-                state_dir=str(tmp_path / f"a{i}"),
-                node_config={"partition-id": i, "num-partitions": 2},
-            )
-        )
-        for i in range(2)
-    ]
+    agents = [reference_agent(mqtt(), tmp_path / f"a{i}", f"dev{i}", i, 2) for i in range(2)]
     for agent in agents:
         agent.start()
     try:
