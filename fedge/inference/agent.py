@@ -99,7 +99,9 @@ class InferenceAgent:
             config.model_dir,
             stale_after_s=3 * config.status_every_s + 1,
         )
-        verifier = InstructionVerifier(config.instruction_keys) if config.instruction_keys else None
+        # Pure Python: a model version is verified now and then, and cryptography would cost 8 MB resident.
+        keys = config.instruction_keys
+        verifier = InstructionVerifier(keys, pure_python=True) if keys else None
         self.collector = VariantCollector(config.variants)
         self.choice: Choice | None = None
         # Models arrive on a connection of their own: reassembling and checking chunks on paho's thread of

@@ -47,3 +47,24 @@ def test_serving_process_never_loads_torch_or_flower(variants):
     )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"ok": True, "n": 3, "version": "r3", "loaded": []}
+
+
+_VERIFY = """
+import sys
+import fedge.inference.agent
+from fedge.transport.signing import InstructionVerifier, SignatureError, key_id
+key = bytes(range(32))
+try:
+    InstructionVerifier([key], pure_python=True).verify("n", "m", b"FSI1" + key_id(key) + bytes(64) + b"body")
+except SignatureError as err:
+    print("refused:", err)
+print(sorted(m for m in sys.modules if m.startswith("cryptography")))
+"""
+
+
+def test_agent_verifies_models_without_loading_cryptography():
+    """cryptography costs a device 8 MB resident; the inference agent verifies models in pure Python."""
+    out = subprocess.run([sys.executable, "-c", _VERIFY], capture_output=True, text=True, check=True)
+    refused, loaded = out.stdout.strip().splitlines()[-2:]
+    assert "does not match" in refused  # the forged signature was checked
+    assert loaded == "[]"

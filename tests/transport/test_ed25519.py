@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -71,13 +72,17 @@ def test_instructions_verify_and_keys_load_without_cryptography(tmp_path, monkey
     )
     (tmp_path / "coordinator.pub").write_bytes(pem)
     payload = signing.InstructionSigner(key).sign("node-1", "m-7", b"body")
-    monkeypatch.setattr(signing, "serialization", None)  # as in a fedge[infer] install
+    # As in a fedge[infer] install: importing cryptography fails.
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.asymmetric.ed25519", None)
     public = signing.load_public_key(tmp_path / "coordinator.pub")
     assert public == _raw(key)
-    verifier = signing.InstructionVerifier([public])
-    assert verifier.verify("node-1", "m-7", payload) == b"body"
-    with pytest.raises(signing.SignatureError, match="does not match"):
-        verifier.verify("node-2", "m-7", payload)
+    for verifier in (
+        signing.InstructionVerifier([public]),
+        signing.InstructionVerifier([public], pure_python=True),
+    ):
+        assert verifier.verify("node-1", "m-7", payload) == b"body"
+        with pytest.raises(signing.SignatureError, match="does not match"):
+            verifier.verify("node-2", "m-7", payload)
     (tmp_path / "bad.pub").write_text("-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
     with pytest.raises(ConfigError, match="does not hold an Ed25519 public key"):
         signing.load_public_key(tmp_path / "bad.pub")
