@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import zlib
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedge.app.attacks import AttackMod
 from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
+from fedge.app.weights import load_record, state_record
 from fedge.client.compression_mod import CompressionMod
 
 __all__ = ["app", "local_seed"]
@@ -41,7 +42,7 @@ def train(msg: Message, context: Context) -> Message:
         seed=local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0))),
     )
     metrics = task.task.train(model, task.partition(partition_id), train_config)
-    content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
+    content = RecordDict({"arrays": state_record(model), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
 
@@ -72,6 +73,4 @@ def _task(config: ConfigRecord, context: Context) -> PreparedTask:
 
 def _received_model(task: PreparedTask, msg: Message) -> nn.Module:
     """The task's model, loaded with the weights that came with the instruction."""
-    model = task.task.model()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    return model
+    return load_record(task.task.model(), msg.content["arrays"])

@@ -3,14 +3,15 @@
 Flower 1.42 has no public API for three things a custom ``Grid`` needs: turning a ``Message`` into bytes and
 back (``flwr.common.serde``), stamping the process-wide task identity that ``Message(...)`` reads
 (``flwr.supercore.task_identity.TaskIdentity``), and building the ``Run`` that ``Grid.set_run`` takes
-(``flwr.supercore.run.Run``). Every such import lives here, pinned by ``flwr~=1.42.0`` and checked by
+(``flwr.supercore.run.Run``); nor for a strategy subclass to screen replies as ``FedAvg`` does
+(``FedAvg._check_and_log_replies``). Every such import lives here, pinned by ``flwr~=1.42.0`` and checked by
 ``tests/foundation/test_compat.py``; when Flower moves them, this module and its contract tests are all
 that change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flwr.app import Context, Message, RecordDict
@@ -18,6 +19,7 @@ from flwr.common import serde
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.proto.message_pb2 import Context as ProtoContext
 from flwr.proto.message_pb2 import Message as ProtoMessage
+from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 from google.protobuf.message import DecodeError
@@ -27,6 +29,7 @@ __all__ = [
     "MessageDecodeError",
     "MessageEncoder",
     "Run",
+    "check_replies",
     "context_from_bytes",
     "context_to_bytes",
     "message_from_bytes",
@@ -110,6 +113,16 @@ def set_task_identity(run_id: int, node_id: int = SUPERLINK_NODE_ID, task_id: in
     TaskIdentity.task_id = task_id
     TaskIdentity.run_id = run_id
     TaskIdentity.node_id = node_id
+
+
+def check_replies(strategy: FedAvg, replies: Iterable[Message], *, train: bool) -> list[Message]:
+    """The replies Flower's ``FedAvg`` would aggregate: no errors, consistent records (logged as Flower does).
+
+    ``FedAvg._check_and_log_replies`` is private; a subclass that aggregates differently still screens
+    replies exactly as Flower does through this.
+    """
+    valid, _errors = strategy._check_and_log_replies(replies, is_train=train)
+    return list(valid)
 
 
 def _parse(proto_type: type, from_proto: Callable[[Any], Any], data: bytes, max_bytes: int, what: str) -> Any:

@@ -51,7 +51,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord
+
+from fedge.protocol.arrays import array_to_numpy, numpy_to_array
 
 __all__ = [
     "APPROXIMATE",
@@ -210,7 +212,7 @@ def record_to_arrays(record: ArrayRecord) -> tuple[dict[str, np.ndarray], dict[s
     """A record's arrays as writable float32 numpy arrays, and their original dtypes by name."""
     arrays, dtypes = {}, {}
     for name, array in record.items():
-        values = array.numpy()
+        values = array_to_numpy(array)
         dtypes[name] = str(values.dtype)
         arrays[name] = np.array(values, dtype=np.float32, copy=True)
     return arrays, dtypes
@@ -223,5 +225,5 @@ def arrays_to_record(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
         dtype = np.dtype(dtypes.get(name, "float32"))
         if dtype.kind in "iub":
             values = np.rint(values)
-        out[name] = Array(np.asarray(values.astype(dtype, copy=False)))
+        out[name] = numpy_to_array(np.asarray(values.astype(dtype, copy=False)))
     return ArrayRecord(out)
