@@ -4,8 +4,11 @@ from fedge.server.budget import UploadBudget
 from fedge.server.channel import CompressedChannel, CompressionConfig, RoundReport
 from fedge.server.decoding import DecodingStrategy
 from fedge.server.downlink import DownlinkConfig, ModelBroadcast
+from fedge.server.fedavg import DenseFedAvg
 from fedge.server.optimizers import ServerOptimizer
 from fedge.server.robust import RobustConfig, RobustStreamingFedAvg
+from fedge.server.schedule import Schedule
+from fedge.server.schedule_grid import ScheduledGrid
 from fedge.server.screening import ReplyScreen
 from fedge.server.streaming import StreamingFedAvg
 
@@ -13,12 +16,15 @@ __all__ = [
     "CompressedChannel",
     "CompressionConfig",
     "DecodingStrategy",
+    "DenseFedAvg",
     "DownlinkConfig",
     "ModelBroadcast",
     "ReplyScreen",
     "RobustConfig",
     "RobustStreamingFedAvg",
     "RoundReport",
+    "Schedule",
+    "ScheduledGrid",
     "ServerOptimizer",
     "StreamingFedAvg",
     "UploadBudget",

@@ -36,7 +36,9 @@ from flwr.app import ArrayRecord
 
 from fedge.atomic import write_json_atomic
 from fedge.config import ConfigError, read_secret
+from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import set_task_identity
+from fedge.protocol.fleet import flower_node_id
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog
 from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
@@ -44,6 +46,8 @@ from fedge.server.checkpoint import load_checkpoint, save_checkpoint
 from fedge.server.model_export import ExportedModel
 from fedge.server.model_publish import ModelDistributor
 from fedge.server.runner import FederatedRun, ResumePoint, run_rounds
+from fedge.server.schedule import Schedule
+from fedge.server.schedule_grid import ScheduledGrid
 from fedge.transport.artifact_channel import ArtifactPublisher
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import MqttConnection
@@ -85,6 +89,11 @@ class ServiceConfig:
     publish_models : bool (default: True)
         Publish every verified export to the fleet's inference devices (``fedge serve``) as retained,
         chunked artifacts, signed with ``instruction_key_file`` when it is set.
+    schedule : Schedule (default: Schedule())
+        The ``[schedule]`` table: a training round's deadline in real seconds (fixed or adaptive),
+        over-selection and memory-aware sampling (:class:`fedge.server.schedule_grid.ScheduledGrid`; the
+        MQTT Grid offers only online nodes, so sampling is availability-aware anyway). The default waits for
+        every sampled node up to ``round_timeout_s``.
     """
 
     mqtt: MqttConfig = field(default_factory=MqttConfig)
@@ -96,6 +105,7 @@ class ServiceConfig:
     run_id: int = 1
     instruction_key_file: str | None = None
     publish_models: bool = True
+    schedule: Schedule = field(default_factory=Schedule)
 
     def __post_init__(self) -> None:
         if not self.state_dir:
@@ -218,13 +228,27 @@ def _run_service(
             audit.commit(server_round, nodes)  # only now do the round's accepted updates count
 
         return run_rounds(
-            grid,
+            _scheduled(grid, config.schedule),
             run,
             [*listeners, status.on_round],
             resume=resume_point,
             on_round_end=checkpoint,
             timeout=config.round_timeout_s,
         )
+
+
+def _scheduled(grid: MqttGrid, schedule: Schedule) -> MqttGrid | ScheduledGrid:
+    """``grid`` under ``schedule`` (the Grid itself when the schedule is the default: nothing to apply)."""
+    if schedule == Schedule():
+        return grid
+
+    def profiles() -> dict[int, DeviceProfile]:
+        # The agents' reported device profiles (memory), by Flower node id; copied first, as the MQTT
+        # thread adds to them.
+        return {flower_node_id(name): profile for name, profile in dict(grid.profiles).items()}
+
+    log.info("schedule: %s", schedule)
+    return ScheduledGrid(grid, schedule, profiles=profiles)
 
 
 def _counted_record(strategy_state: Mapping[str, np.ndarray]) -> dict[int, int] | None:

@@ -28,13 +28,13 @@ import numpy as np
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
-from fedge.config import ConfigError, check_types
 from fedge.devices.clock import ClientTiming, select_replies, time_client
 from fedge.devices.fleet import ClientProfile, LinkProfile
 from fedge.devices.traces import AvailabilityTrace
 from fedge.flower.compat import Run
 from fedge.flower.grid import RunGrid
 from fedge.protocol.envelope import wire_size
+from fedge.server.schedule import Schedule
 
 __all__ = ["ClockGrid", "Schedule"]
 
@@ -42,52 +42,6 @@ log = logging.getLogger(__name__)
 
 TrainFlops = Callable[[Message, Message], float]
 """FLOPs of the training a reply reports, from its instruction and the reply itself."""
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How the coordinator treats a heterogeneous fleet (the ``[schedule]`` table).
-
-    Parameters
-    ----------
-    deadline_s : float or None (default: None)
-        Replies arriving later than this many simulated seconds after the round starts are dropped.
-    adaptive_deadline : bool (default: False)
-        Set the deadline from recent rounds: ``deadline_slack`` times the ``deadline_quantile`` of the
-        arrival delays of the last rounds' replies (``deadline_s``, if given, is the first rounds' value).
-    deadline_quantile : float (default: 0.8)
-        Which arrival delay of recent rounds the adaptive deadline follows, in (0, 1].
-    deadline_slack : float (default: 1.5)
-        Multiplier of that delay, >= 1.
-    over_select : float (default: 1.0)
-        The strategy samples this many times the clients it needs; the round aggregates the first
-        ``ceil(sampled / over_select)`` replies and ends at the last of them. 1.0 waits for everyone.
-    availability_aware : bool (default: False)
-        Offer only clients available now for sampling (random selection among all clients otherwise).
-    memory_aware : bool (default: False)
-        Offer only clients whose memory holds training (``training_memory_bytes``); the others are
-        candidates for split training, never sampled for full training.
-    training_memory_bytes : float (default: 0.0)
-        What training the model needs on a device, bytes (see ``fedge.devices.budget``).
-    """
-
-    deadline_s: float | None = None
-    adaptive_deadline: bool = False
-    deadline_quantile: float = 0.8
-    deadline_slack: float = 1.5
-    over_select: float = 1.0
-    availability_aware: bool = False
-    memory_aware: bool = False
-    training_memory_bytes: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_types(self)
-        if self.deadline_s is not None and self.deadline_s <= 0:
-            raise ConfigError(f"deadline_s must be > 0, got {self.deadline_s}")
-        if not 0 < self.deadline_quantile <= 1 or self.deadline_slack < 1:
-            raise ConfigError("deadline_quantile must be in (0, 1] and deadline_slack >= 1")
-        if self.over_select < 1:
-            raise ConfigError(f"over_select must be >= 1, got {self.over_select}")
 
 
 @dataclass

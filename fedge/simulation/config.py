@@ -53,7 +53,8 @@ class SimulationConfig:
         each client away 70% of the time), ``"diurnal"`` (a day's cycle) or the path of a FedScale
         availability pickle.
     schedule : Schedule (default: Schedule())
-        With a fleet: deadline, over-selection, availability- and memory-aware sampling (``[schedule]``).
+        Deadline, over-selection, availability- and memory-aware sampling (``[schedule]``): in simulated
+        seconds with a fleet, in real seconds on the ``mqtt`` engine (``fedge.server.schedule_grid``).
     """
 
     clients: int = 20

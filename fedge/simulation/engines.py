@@ -60,7 +60,9 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
         from fedge.simulation.mqtt_engine import run_mqtt_simulation
 
         workdir = Path(config.app.out_dir) / "mqtt" if config.app.out_dir else None
-        return run_mqtt_simulation(config.clients, app_config, listeners, config.broker, workdir)
+        return run_mqtt_simulation(
+            config.clients, app_config, listeners, config.broker, workdir, schedule=config.schedule
+        )
     return _run_local(config, app_config, task, list(listeners))
 
 

@@ -20,6 +20,7 @@ from fedge.app.config import AppConfig
 from fedge.app.coordinator import CoordinatorConfig, run_coordinator
 from fedge.localnet import EmbeddedBroker
 from fedge.reporting.history import RoundListener, RunHistory
+from fedge.server.schedule import Schedule
 from fedge.server.service import ServiceConfig
 from fedge.transport import MqttConfig
 
@@ -37,6 +38,7 @@ def run_mqtt_simulation(
     broker_url: str = "",
     workdir: str | Path | None = None,
     coordinator_url: str | None = None,
+    schedule: Schedule | None = None,
 ) -> RunHistory:
     """Start (or use) a broker, ``clients`` agent processes and the coordinator; run the app; stop them.
 
@@ -55,6 +57,9 @@ def run_mqtt_simulation(
     coordinator_url : str, optional
         Where the coordinator connects, if not ``broker_url`` (e.g. agents behind a lossy-link proxy and the
         coordinator on the broker's own network).
+    schedule : Schedule, optional
+        The coordinator's schedule, in real seconds: the deadline, over-selection and memory-aware sampling
+        apply to the agents' real replies (:class:`fedge.server.schedule_grid.ScheduledGrid`).
     """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="fedge-mqtt-sim-"))
     with ExitStack() as stack:
@@ -75,6 +80,7 @@ def run_mqtt_simulation(
             # as more keep coming online.
             wait_for_nodes_s=600.0 + 10.0 * clients,
             node_stall_s=90.0,
+            schedule=schedule or Schedule(),
         )
         config = CoordinatorConfig(service=service, app=app_config)
         return run_coordinator(config, listeners=listeners)

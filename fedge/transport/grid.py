@@ -187,6 +187,15 @@ class MqttGrid(RunGrid):
         with self._cond:
             return [self._replies.pop(i) for i in message_ids if i in self._replies]
 
+    def abandon(self, message_ids: Iterable[str]) -> None:
+        """Stop awaiting these instructions: a reply that still comes is late (dropped and counted, never
+        recorded as accepted), and one already received but not pulled is discarded."""
+        with self._cond:
+            for message_id in message_ids:
+                if self._awaited.pop(message_id, None) is not None:
+                    self._finish(message_id)
+                self._replies.pop(message_id, None)
+
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:

@@ -1,0 +1,61 @@
+"""How the coordinator treats a heterogeneous fleet: the ``[schedule]`` table, the same on every engine.
+
+One :class:`Schedule` drives both the simulated clock (:class:`fedge.simulation.clock_grid.ClockGrid`, seconds
+computed from device profiles, on the local and Ray engines) and real time
+(:class:`fedge.server.schedule_grid.ScheduledGrid`, seconds on the coordinator's monotonic clock, over MQTT).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedge.config import ConfigError, check_types
+
+__all__ = ["Schedule"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the coordinator treats a heterogeneous fleet (the ``[schedule]`` table).
+
+    Parameters
+    ----------
+    deadline_s : float or None (default: None)
+        Replies arriving later than this many seconds after the round starts are dropped (simulated seconds
+        on the clock, real seconds over MQTT).
+    adaptive_deadline : bool (default: False)
+        Set the deadline from recent rounds: ``deadline_slack`` times the ``deadline_quantile`` of the
+        arrival delays of the last rounds' replies (``deadline_s``, if given, is the first rounds' value).
+    deadline_quantile : float (default: 0.8)
+        Which arrival delay of recent rounds the adaptive deadline follows, in (0, 1].
+    deadline_slack : float (default: 1.5)
+        Multiplier of that delay, >= 1.
+    over_select : float (default: 1.0)
+        The strategy samples this many times the clients it needs; the round aggregates the first
+        ``ceil(sampled / over_select)`` replies and ends at the last of them. 1.0 waits for everyone.
+    availability_aware : bool (default: False)
+        Offer only clients available now for sampling (random selection among all clients otherwise).
+    memory_aware : bool (default: False)
+        Offer only clients whose memory holds training (``training_memory_bytes``); the others are
+        candidates for split training, never sampled for full training.
+    training_memory_bytes : float (default: 0.0)
+        What training the model needs on a device, bytes (see ``fedge.devices.budget``).
+    """
+
+    deadline_s: float | None = None
+    adaptive_deadline: bool = False
+    deadline_quantile: float = 0.8
+    deadline_slack: float = 1.5
+    over_select: float = 1.0
+    availability_aware: bool = False
+    memory_aware: bool = False
+    training_memory_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        if self.deadline_s is not None and self.deadline_s <= 0:
+            raise ConfigError(f"deadline_s must be > 0, got {self.deadline_s}")
+        if not 0 < self.deadline_quantile <= 1 or self.deadline_slack < 1:
+            raise ConfigError("deadline_quantile must be in (0, 1] and deadline_slack >= 1")
+        if self.over_select < 1:
+            raise ConfigError(f"over_select must be >= 1, got {self.over_select}")
