@@ -14,15 +14,17 @@ from collections.abc import Iterable, Mapping
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg, FedMedian, FedTrimmedAvg, Strategy
+from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg, Strategy
 
 from fedge.app.config import AppConfig
 from fedge.app.task import prepare_task
+from fedge.app.weights import load_record, state_record
 from fedge.config import ConfigError, from_table
 from fedge.reporting.history import RoundListener, RunHistory
 from fedge.server import (
     CompressionConfig,
     DecodingStrategy,
+    DenseFedAvg,
     DownlinkConfig,
     ReplyScreen,
     RobustConfig,
@@ -88,8 +90,8 @@ def train_config_record(config: AppConfig) -> ConfigRecord:
 def build_strategy(config: AppConfig) -> Strategy:
     """The app's strategy: all connected nodes (``fraction_train``) train, no federated evaluation.
 
-    Dense FedAvg (Flower's) unless ``config.codec`` asks for compressed updates, then
-    :class:`StreamingFedAvg` with the configured downloads, server optimizer and screening.
+    Dense FedAvg (Flower's rule, :class:`DenseFedAvg`) unless ``config.codec`` asks for compressed
+    updates, then :class:`StreamingFedAvg` with the configured downloads, server optimizer and screening.
     ``config.strategy`` swaps the rule: Flower's FedMedian / FedTrimmedAvg (wrapped in
     :class:`DecodingStrategy` with a codec), or :class:`RobustStreamingFedAvg`'s sparse-aware rules.
     """
@@ -104,7 +106,8 @@ def build_strategy(config: AppConfig) -> Strategy:
         "sparse-trimmed-mean": "trimmed-mean",
         "sparse-clipped-mean": "mean",
     }
-    flower = {"median": FedMedian, "trimmed-mean": FedTrimmedAvg}.get(config.strategy, FedAvg)(**sampling)
+    rule = {"median": FedMedian, "trimmed-mean": FedTrimmedAvg}.get(config.strategy, DenseFedAvg)
+    flower = rule(**sampling)
     if not config.codec:
         return flower
     downlink = None
@@ -158,7 +161,7 @@ def federated_run(
     test_set = task.test_set()
 
     def evaluate(arrays: ArrayRecord) -> Mapping[str, float]:
-        model.load_state_dict(arrays.to_torch_state_dict())
+        load_record(model, arrays)
         return task.task.evaluate(model, test_set)
 
     every = config.resolved_export_every(export_every)
@@ -169,7 +172,7 @@ def federated_run(
             raise ConfigError("export_every needs out_dir: exported models go to <out_dir>/models")
 
         def export_model(arrays: ArrayRecord) -> torch.nn.Module:
-            model.load_state_dict(arrays.to_torch_state_dict())
+            load_record(model, arrays)
             return model
 
         exporter = ModelExporter(
@@ -180,7 +183,7 @@ def federated_run(
         )
     return FederatedRun(
         strategy=strategy or build_strategy(config),
-        initial_arrays=ArrayRecord(model.state_dict()),
+        initial_arrays=state_record(model),
         num_rounds=config.rounds,
         train_config=train_config_record(config),
         evaluate=evaluate,

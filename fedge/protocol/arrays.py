@@ -16,6 +16,7 @@ fill exactly the shape the header names, and anything unusual (Fortran order, ob
 from __future__ import annotations
 
 import io
+import math
 import struct
 from collections.abc import Mapping
 
@@ -42,7 +43,7 @@ def array_to_numpy(array: Array) -> np.ndarray:
     if layout is None:
         return array.numpy()
     start, dtype, shape = layout
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)
     if len(data) - start != count * dtype.itemsize:
         return array.numpy()  # truncated or padded: np.load says what is wrong
     return np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape)

@@ -10,6 +10,7 @@ from arrays read with :func:`fedge.protocol.arrays.array_to_numpy`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
@@ -42,11 +43,12 @@ def weighted_average(contents: list[RecordDict], weight_key: str) -> ArrayRecord
     Term for term what ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`` computes: the
     weights normalised first, then ``sum_i values_i * w_i`` accumulated in reply order.
     """
-    weights = [float(next(iter(c.metric_records.values()))[weight_key]) for c in contents]  # type: ignore[arg-type]
+    # ``RecordDict.array_records`` builds a new typed dict per access: walk the content once instead.
+    weights = [float(_first(c, MetricRecord)[weight_key]) for c in contents]  # type: ignore[arg-type]
     total = sum(weights)
     summed: dict[str, np.ndarray] = {}
     for content, weight in zip(contents, [w / total for w in weights], strict=True):
-        for record in content.array_records.values():
+        for record in (r for r in content.values() if isinstance(r, ArrayRecord)):
             for name, array in record.items():
                 values = array_to_numpy(array)
                 if name not in summed:
@@ -54,3 +56,8 @@ def weighted_average(contents: list[RecordDict], weight_key: str) -> ArrayRecord
                 else:
                     summed[name] += values * weight
     return arrays_to_record(summed)
+
+
+def _first(content: RecordDict, kind: type) -> Any:
+    """The first record of ``kind`` in ``content`` (Flower's checks guarantee there is one)."""
+    return next(r for r in content.values() if isinstance(r, kind))
