@@ -37,7 +37,7 @@ from flwr.clientapp import ClientApp
 
 from fedge.atomic import write_bytes_atomic
 from fedge.config import ConfigError, check_types, from_table, read_secret, read_toml
-from fedge.devices.profile import measure_device
+from fedge.devices.profile import DeviceProfile, measure_device
 from fedge.flower.compat import (
     MessageDecodeError,
     context_from_bytes,
@@ -101,6 +101,10 @@ class AgentConfig:
     instruction_keys : tuple of bytes (default: ())
         Raw 32-byte Ed25519 public keys of the coordinator (TOML: ``instruction_key_files``, PEM files).
         When set, only instructions signed by one of them are run; two during a key rotation.
+    link : dict (default: {})
+        The device's link as its operator knows it (TOML ``[link]``: ``uplink_mbit_s``, ``downlink_mbit_s``,
+        ``latency_ms``), reported with the measured profile; a coordinator with an upload budget sizes this
+        node's updates from it.
     """
 
     node_id: str
@@ -112,9 +116,16 @@ class AgentConfig:
     max_instruction_bytes: int = 256 * 1024 * 1024
     tasks: tuple[str, ...] = (REFERENCE_TASK,)
     instruction_keys: tuple[bytes, ...] = ()
+    link: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_types(self)
+        unknown = set(self.link) - {"uplink_mbit_s", "downlink_mbit_s", "latency_ms"}
+        if unknown:
+            raise ConfigError(
+                f"[link] has unknown keys {sorted(unknown)}: use uplink_mbit_s, downlink_mbit_s, latency_ms"
+            )
+        DeviceProfile(**self.link)  # its checks, with its messages
         try:
             validate_name(self.node_id, "node id")
         except ValueError as err:
@@ -242,7 +253,9 @@ class DeviceAgent:
         """Connect, report the device profile and finish instructions left by a crash."""
         self._endpoint.start()
         self._endpoint.send(
-            measure_device().to_bytes(), message_id=f"{PROFILE_PREFIX}{self._endpoint.epoch}", expiry_s=3600
+            dataclasses.replace(measure_device(), **self.config.link).to_bytes(),
+            message_id=f"{PROFILE_PREFIX}{self._endpoint.epoch}",
+            expiry_s=3600,
         )
         for path in sorted(self._inbox_dir.glob("*.msg")):
             log.info("resuming instruction %s left by a previous run", path.stem)

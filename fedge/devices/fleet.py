@@ -125,6 +125,15 @@ class LinkProfile:
     reconnect_s: float = 0.0
     resend_window_bytes: int = 16 * 256 * 1024
 
+    @classmethod
+    def from_device(cls, device: DeviceProfile) -> LinkProfile | None:
+        """The link an agent reported (its ``[link]`` table), or None when it reported no bandwidths."""
+        if not (device.uplink_mbit_s > 0 and device.downlink_mbit_s > 0):
+            return None
+        return cls(
+            mbit_per_s(device.uplink_mbit_s), mbit_per_s(device.downlink_mbit_s), device.latency_ms / 1000
+        )
+
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("uplink_bytes_per_s", "downlink_bytes_per_s"):

@@ -38,6 +38,11 @@ class DeviceProfile:
         Physical memory, and what was free when measured (0: unknown).
     platform, machine, python : str (default: "")
         Operating system, CPU architecture and Python version, as :mod:`platform` reports them.
+    uplink_mbit_s, downlink_mbit_s : float (default: 0.0)
+        The device's link each way, Mbit/s, as its operator declared it (an agent's ``[link]`` table;
+        measuring it would cost the link what it measures); 0: unknown.
+    latency_ms : float (default: 0.0)
+        One-way latency of that link, milliseconds.
     """
 
     cpus: int = 1
@@ -46,12 +51,19 @@ class DeviceProfile:
     platform: str = ""
     machine: str = ""
     python: str = ""
+    uplink_mbit_s: float = 0.0
+    downlink_mbit_s: float = 0.0
+    latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.cpus < 1:
             raise ConfigError(f"cpus must be >= 1, got {self.cpus}")
         if self.memory_total_mb < 0 or self.memory_available_mb < 0:
             raise ConfigError("memory figures must be >= 0")
+        for name in ("uplink_mbit_s", "downlink_mbit_s", "latency_ms"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e9):
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

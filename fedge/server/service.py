@@ -36,6 +36,7 @@ from flwr.app import ArrayRecord
 
 from fedge.atomic import write_json_atomic
 from fedge.config import ConfigError, read_secret
+from fedge.devices.fleet import LinkProfile
 from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import set_task_identity
 from fedge.protocol.fleet import flower_node_id
@@ -247,8 +248,13 @@ def _scheduled(grid: MqttGrid, schedule: Schedule) -> MqttGrid | ScheduledGrid:
         # thread adds to them.
         return {flower_node_id(name): profile for name, profile in dict(grid.profiles).items()}
 
+    def links() -> dict[int, LinkProfile]:
+        # The links agents declared (``[link]``): per-client upload budgets over MQTT come from them.
+        known = {node: LinkProfile.from_device(profile) for node, profile in profiles().items()}
+        return {node: link for node, link in known.items() if link is not None}
+
     log.info("schedule: %s", schedule)
-    return ScheduledGrid(grid, schedule, profiles=profiles)
+    return ScheduledGrid(grid, schedule, profiles=profiles, links=links)
 
 
 def _counted_record(strategy_state: Mapping[str, np.ndarray]) -> dict[int, int] | None:

@@ -125,9 +125,9 @@ class StreamingFedAvg(FedAvg):
         """Sample nodes as FedAvg does; send each the instruction and the model, dense or compressed.
 
         With ``compression.budget``, each node's uplink codec is chosen from its link, which a Grid that
-        knows links reports by ``node_links()`` (the simulated clock's Grid, and the metering Grid
-        wrapping it). A Grid without it (MQTT: agents do not report their link yet) leaves every node
-        unknown, so every node gets the budget's ``default_codec`` (or ``compression.codec``).
+        knows links reports by ``node_links()`` (the simulated clock's Grid; over MQTT the schedule's Grid,
+        from the links agents declare; the metering Grid forwards it). A node whose link is unknown gets
+        the budget's ``default_codec`` (or ``compression.codec``).
         """
         if self._model is None:
             self._model, self._dtypes = record_to_arrays(arrays)

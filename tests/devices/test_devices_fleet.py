@@ -130,3 +130,21 @@ def test_compute_profile_from_a_measured_device():
         device, flops_per_s=2e9, encode_bytes_per_s=1e8, decode_bytes_per_s=4e8
     )
     assert compute.memory_bytes == 3000 * 2**20
+
+
+def test_a_reported_link_becomes_a_link_profile_and_bad_ones_are_refused(tmp_path):
+    from fedge.client.agent import AgentConfig
+    from fedge.config import ConfigError
+    from fedge.devices.profile import DeviceProfile
+
+    reported = DeviceProfile(cpus=2, uplink_mbit_s=2, downlink_mbit_s=8.0, latency_ms=40.0)
+    again = DeviceProfile.from_bytes(reported.to_bytes())
+    assert again == reported
+    assert LinkProfile.from_device(again) == LinkProfile(mbit_per_s(2), mbit_per_s(8), 0.04)
+    assert LinkProfile.from_device(DeviceProfile(uplink_mbit_s=2)) is None  # one direction is not a link
+    with pytest.raises(ConfigError, match="uplink_mbit_s must be a number >= 0"):
+        DeviceProfile.from_bytes(b'{"uplink_mbit_s": -1}')
+    toml = tmp_path / "agent.toml"
+    toml.write_text('node_id = "n1"\nstate_dir = "s"\n[link]\nuplink_mbit_s = 1\ndownlink = 3\n')
+    with pytest.raises(ConfigError, match=r"\[link\] has unknown keys \['downlink'\]"):
+        AgentConfig.from_toml(toml)

@@ -14,6 +14,7 @@ import pytest
 from flwr.app import Message, RecordDict
 from flwr.clientapp import ClientApp
 from service_helpers import reference_agent
+from waiting import wait_until
 
 from fedge.app.config import AppConfig
 from fedge.app.server_app import federated_run
@@ -101,3 +102,46 @@ def test_the_mqtt_engine_runs_the_schedule_with_agent_processes(broker, tmp_path
     # The replies over-selection cut off are never aggregated: each is dropped when it comes (in its own
     # round, a later one, or after the run).
     assert sum(r.extra["schedule_late_arrived"] for r in history.rounds) <= 2
+
+
+def test_declared_links_size_each_agents_upload_over_mqtt(mqtt, tmp_path):
+    """Agents report the link their [link] table declares; the budget gives the slow one a sparser codec."""
+
+    from fedge.devices.fleet import LinkProfile, mbit_per_s
+    from fedge.flower.compat import set_task_identity
+    from fedge.protocol.fleet import flower_node_id
+    from fedge.protocol.records import INSTRUCTION_KEY
+    from fedge.server.metered_grid import MeteredGrid
+    from fedge.server.service import _scheduled
+    from fedge.transport.grid import MqttGrid
+
+    links = {
+        "fast": {"uplink_mbit_s": 8.0, "downlink_mbit_s": 30},
+        "slow": {"uplink_mbit_s": 0.02, "downlink_mbit_s": 1, "latency_ms": 200},
+    }
+    agents = [
+        reference_agent(mqtt(), tmp_path / n, n, i, 2, link=link) for i, (n, link) in enumerate(links.items())
+    ]
+    for agent in agents:
+        agent.start()
+    try:
+        with MqttGrid(mqtt()) as grid:
+            assert grid.wait_for_nodes(2, timeout=20)
+            wait_until(lambda: len(grid.profiles) == 2, 20)
+            scheduled = _scheduled(grid, Schedule(deadline_s=8.0))
+            assert scheduled.node_links() == {
+                flower_node_id("fast"): LinkProfile(mbit_per_s(8.0), mbit_per_s(30)),
+                flower_node_id("slow"): LinkProfile(mbit_per_s(0.02), mbit_per_s(1), 0.2),
+            }
+            app = AppConfig(codec="topk:0.1+int8", upload_budget={"deadline_s": 8.0}, min_nodes=2)
+            run = federated_run(app, num_partitions=2)
+            set_task_identity(run_id=1)
+            messages = list(
+                run.strategy.configure_train(1, run.initial_arrays, run.train_config, MeteredGrid(scheduled))
+            )
+    finally:
+        for agent in agents:
+            agent.close()
+    specs = {m.metadata.dst_node_id: m.content[INSTRUCTION_KEY]["codec"] for m in messages}
+    density = {node: float(spec.split(":")[1].split(",")[0]) for node, spec in specs.items()}
+    assert density[flower_node_id("slow")] < density[flower_node_id("fast")]
