@@ -8,8 +8,13 @@ gradient for its previous batch and asking for the activations of its next one; 
 server-side stage on each reply (:class:`fedge.split.step.BackStage`; one per client in SplitFed V1, one
 shared in V2) and keeps the gradient for the client's next request. The last request of a client's round
 carries its last gradient and collects its front. Then, as in :class:`fedge.split.driver.SplitFedRun`,
-every trained copy of each parameter is averaged into the global model (:mod:`fedge.split.rounds`), which
-is evaluated and checkpointed (:mod:`fedge.split.server_state`).
+every trained copy of each parameter is averaged into the global model (:mod:`fedge.split.rounds`,
+:mod:`fedge.split.tally`), which is evaluated and checkpointed (:mod:`fedge.split.server_state`).
+
+U-shaped, a batch takes two waves (its server output down, the gradient at it up; :mod:`fedge.split.session`);
+sequential split learning asks one client at a time and hands the front on (:mod:`fedge.split.waves`);
+``update_codec`` updates arrive as codec payloads decoded with caps (:mod:`fedge.split.updates`); with device
+profiles each round is charged on the simulated clock (:mod:`fedge.split.engine_clock`).
 
 Drops. A request nobody answered in ``step_timeout_s`` (the client died, its reply was lost) is asked again
 once the node is online, with the same gradient: the client applies it only if its front is still at the
@@ -38,11 +43,12 @@ from fedge.app.task import prepare_task
 from fedge.devices.fleet import CATALOGUE, ClientProfile
 from fedge.flower.compat import set_task_identity
 from fedge.split.cut import CutLink
+from fedge.split.engine_clock import EngineClock
 from fedge.split.engine_config import EngineRound, SplitAppConfig
 from fedge.split.memory import ClientPlan, plan_fleet
 from fedge.split.messages import FULL_TRAIN, HELLO, SPLIT_STEP, Hello, RunSettings
 from fedge.split.model import as_chain, ends_in_relu, segment
-from fedge.split.rounds import Delta, average_deltas, evaluate, stage_delta, stage_keys
+from fedge.split.rounds import average_deltas, evaluate, stage_keys
 from fedge.split.server_state import (
     SplitCheckpoint,
     flatten,
@@ -55,6 +61,8 @@ from fedge.split.server_state import (
 )
 from fedge.split.session import SplitSession
 from fedge.split.step import BackStage
+from fedge.split.tally import tally_round
+from fedge.split.waves import WaveRunner
 
 __all__ = ["SplitCoordinator"]
 
@@ -104,7 +112,20 @@ class SplitCoordinator:
         self.test = self.task.test_set()
         torch.manual_seed(config.model_seed)
         self.model = self.task.task.model()
-        self.end = len(as_chain(self.model))
+        cfg = config.split
+        self.end = len(as_chain(self.model)) - (cfg.head_layers if cfg.u_shaped else 0)
+        self.clock = (
+            EngineClock(
+                self.model,
+                self.test[0][0],
+                self.end,
+                config.profiles,
+                server_workers=cfg.server_workers,
+                parallel=cfg.parallel,
+            )
+            if config.profiles
+            else None
+        )
         self.session = uuid.uuid4().hex[:12]  # a fresh one per coordinator: clients restart its rounds
         self.nodes: dict[int, _Node] = {}
         self.links: dict[int, CutLink] = {}  # per partition, across rounds (gradient error feedback)
@@ -148,39 +169,31 @@ class SplitCoordinator:
         ]
         full_ids = list(self.grid.push_messages(full_messages))
         sessions, server_model = self._sessions(server_round)
-        retries = self._waves(server_round, sessions, start, deadline)
+        waves = WaveRunner(
+            self.grid,
+            self.config,
+            self.settings,
+            self.session,
+            lambda content, node, r: self._message(content, node, SPLIT_STEP, r),
+            self._wake,
+            self.on_wave,
+        )
+        retries = waves.run(server_round, sessions, start, deadline)
         full_replies = self._collect(full_ids, deadline)
-        contributions: list[tuple[Delta, float]] = []
-        losses: list[tuple[float, float]] = []
-        trained: list[int] = []
-        update_bytes = 0
-        for reply in full_replies:
-            if reply.has_error():
-                log.warning("full client %s failed: %s", reply.metadata.src_node_id, reply.error.reason)
-                continue
-            state = reply.content["arrays"].to_torch_state_dict()
-            metrics = reply.content["metrics"]
-            weight = float(metrics["num-examples"])
-            contributions.append(
-                ({k: state[k] - start[k] for k in start if start[k].is_floating_point()}, weight)
-            )
-            losses.append((float(metrics["train_loss"]), weight))
-            trained.append(self.nodes[reply.metadata.src_node_id].partition)
-            update_bytes += 4 * sum(v.numel() for v in state.values())
-        for s in sessions:
-            if s.front is not None:
-                contributions.append((stage_delta(s.front, s.keys[0], start), float(s.examples)))
-                trained.append(s.partition)
-                update_bytes += 4 * sum(v.numel() for v in s.front.values())
-            if s.server_steps:
-                contributions.append(
-                    (stage_delta(s.back.back.state_dict(), s.keys[1], start), float(s.examples))
-                )
-                losses.append((s.loss[0] / max(1.0, s.loss[1]), s.loss[1]))
-        self.model.load_state_dict(average_deltas(start, contributions))
+        tally = tally_round(
+            full_replies,
+            sessions,
+            start,
+            lambda node: self.nodes[node].partition,
+            epochs=self.config.split.local_epochs,
+            clock=self.clock,
+            sequential=not self.config.split.parallel,
+        )
+        self.model.load_state_dict(average_deltas(start, tally.contributions))
         self.server_state, self.server_optim = self._server_stages(sessions, server_model)
         loss, accuracy = evaluate(self.model, self.test)
         links = [s.link for s in sessions]
+        losses = tally.losses
         weight = sum(n for _, n in losses) or 1.0
         record = EngineRound(
             round=server_round,
@@ -195,12 +208,17 @@ class SplitCoordinator:
             cut_bytes=sum(link.tensor_bytes for link in links),
             cut_dense_bytes=sum(link.dense_bytes for link in links),
             label_bytes=sum(link.label_bytes for link in links),
-            update_bytes=update_bytes,
+            update_bytes=tally.update_bytes,
             model_bytes_down=4 * sum(v.numel() for v in start.values()) * len(full)
-            + sum(4 * sum(start[k].numel() for k in s.keys[0].values()) for s in sessions),
+            + sum(
+                4 * sum(start[k].numel() for k in [*s.keys[0].values(), *s.keys[2].values()])
+                for s in sessions
+            ),
             wall_s=time.monotonic() - began,
-            trained=sorted(trained),
+            trained=sorted(tally.trained),
             steps_by_partition={str(s.partition): s.server_steps for s in sessions},
+            round_s=tally.round_s,
+            clock_s=self.clock.clock_s if self.clock is not None else 0.0,
         )
         for link in links:  # the byte counters are per round; the codec state carries over
             for codec in link.codecs():
@@ -219,20 +237,29 @@ class SplitCoordinator:
     def _sessions(self, server_round: int) -> tuple[list[SplitSession], torch.nn.Module | None]:
         """The round's split sessions, each with its server-side stage (V2: segments of one shared copy)."""
         cfg = self.config.split
-        shared = copy.deepcopy(self.model) if cfg.variant == "v2" else None
+        # sequential split learning has one server-side model whatever the variant, as in the driver
+        shared = copy.deepcopy(self.model) if cfg.variant == "v2" or not cfg.parallel else None
         shared_optimizer = self._optimizer(list(shared.parameters())) if shared is not None else None
         sessions = []
         for node_id, node in sorted(self.nodes.items(), key=lambda item: item[1].partition):
             if node.plan.mode != "split" or node.plan.cut is None:
                 continue
             cut = node.plan.cut
+            if not 1 <= cut < self.end:
+                raise ValueError(f"cut {cut} leaves no server-side layers before the head (end {self.end})")
             chain = as_chain(copy.deepcopy(self.model))
             mask = cfg.cut.mask_gradient and ends_in_relu(segment(chain, 0, cut))
             if shared is not None:
-                back = BackStage(segment(as_chain(shared), cut), shared_optimizer, mask_gradient=mask)
+                # U-shaped, other clients step the shared weights between a forward and its backward
+                back = BackStage(
+                    segment(as_chain(shared), cut, self.end),
+                    shared_optimizer,
+                    mask_gradient=mask,
+                    snapshot=cfg.u_shaped and cfg.parallel,
+                )
                 owner = "shared"
             else:
-                middle = segment(chain, cut)
+                middle = segment(chain, cut, self.end)
                 back = BackStage(middle, self._optimizer(list(middle.parameters())), mask_gradient=mask)
                 owner = f"p{node.partition}"
             steps = cfg.local_epochs * -(-node.examples // cfg.batch_size)
@@ -240,41 +267,11 @@ class SplitCoordinator:
             keys = stage_keys(self.model, cut, self.end)
             link = self.links[node.partition]
             sessions.append(
-                SplitSession(node_id, node.partition, cut, steps, node.examples, back, link, keys, owner)
+                SplitSession(
+                    node_id, node.partition, cut, steps, node.examples, back, link, keys, owner, cfg.u_shaped
+                )
             )
         return sessions, shared
-
-    def _waves(
-        self, server_round: int, sessions: list[SplitSession], start: dict[str, torch.Tensor], deadline: float
-    ) -> int:
-        """Exchange with the split clients until every one has handed in its front (or the deadline)."""
-        front_of = {s.partition: {k: start[v] for k, v in s.keys[0].items()} for s in sessions}
-        wave = retries = 0
-        while active := [s for s in sessions if not s.done]:
-            if time.monotonic() > deadline:
-                log.warning("round %d: %d split clients did not finish in time", server_round, len(active))
-                break
-            online = set(self.grid.get_node_ids())
-            ready = [s for s in active if s.node in online]
-            if not ready:
-                self._wake.wait(0.1)  # everyone left is offline: wait for one to come back
-                continue
-            retries += sum(s.attempts > 0 for s in ready)
-            requests = [s.request(server_round, self.session, front_of[s.partition]) for s in ready]
-            messages = [
-                self._message(r.content(self.settings), s.node, SPLIT_STEP, server_round)
-                for r, s in zip(requests, ready, strict=True)
-            ]
-            replies = {
-                m.metadata.src_node_id: m
-                for m in self.grid.send_and_receive(messages, timeout=self.config.step_timeout_s)
-            }
-            for s in ready:
-                s.settle(replies.get(s.node), server_round, self.session, self.config.max_attempts)
-            wave += 1
-            if self.on_wave is not None:
-                self.on_wave(server_round, wave)
-        return retries
 
     # -------------------------------------------------------------------------------------- helpers
     def _message(self, content: RecordDict, node: int, message_type: str, server_round: int) -> Message:
@@ -373,5 +370,7 @@ class SplitCoordinator:
         self.links = restore_links(saved.links, self.config.split.cut)
         self.server_state, self.server_optim = nest(saved.server_stages), nest(saved.server_optim)
         self.history = [EngineRound(**r) for r in saved.history]
+        if self.clock is not None and self.history:
+            self.clock.clock_s = self.history[-1].clock_s
         self.completed_round = saved.completed_round
         log.info("resuming the split run after round %d", self.completed_round)

@@ -25,12 +25,19 @@ class SplitAppConfig:
     alpha : float (default: 0.5)
         Dirichlet concentration of the data split.
     split : SplitFedConfig (default: SplitFedConfig())
-        Rounds, batches, optimizer, variant (V1/V2) and the cut's codecs. Not supported by the engine yet:
-        ``u_shaped``, ``parallel=False`` and ``update_codec`` (updates travel dense).
+        Rounds, batches, optimizer, variant (V1/V2), the cut's codecs, ``u_shaped`` (the labels and the
+        last ``head_layers`` stay on the device; a batch takes two exchanges), ``update_codec`` (clients'
+        updates through a fedge codec with error feedback kept in each node's Context, decoded with caps)
+        ``parallel=False`` (sequential split learning: one client at a time in partition order, each
+        starting from the front the previous one handed in, one server-side model whatever ``variant``
+        says) and ``server_workers`` (the clock's coordinator).
     memory : MemoryConfig (default: MemoryConfig())
         How training memory is counted and which cut a small device gets (:func:`plan_fleet`).
     profiles : tuple of ClientProfile (default: ())
-        Device profiles by partition id (simulations); empty: each node's reported ``memory-bytes``.
+        Device profiles by partition id (simulations); empty: each node's reported ``memory-bytes``. Given,
+        they also run the simulated clock: each round's ``round_s`` is charged as the driver charges it,
+        from the payload bytes each exchange really carried over each client's link and the stages' FLOPs
+        (:mod:`fedge.split.engine_clock`).
     min_nodes : int (default: 1)
         Nodes to wait for before round 1.
     num_partitions : int or None (default: None)
@@ -73,9 +80,6 @@ class SplitAppConfig:
 
     def __post_init__(self) -> None:
         checks = (
-            (not self.split.u_shaped, "the split engine does not run the U-shaped variant yet"),
-            (self.split.parallel, "the split engine runs SplitFed (parallel=True) only"),
-            (self.split.update_codec is None, "the split engine sends updates dense (update_codec=None)"),
             (self.min_nodes >= 1, "min_nodes must be >= 1"),
             (self.max_attempts >= 1, "max_attempts must be >= 1"),
             (self.step_timeout_s > 0 and self.round_timeout_s > 0, "timeouts must be > 0"),
@@ -94,6 +98,8 @@ class SplitAppConfig:
             "variant": self.split.variant,
             "activation_codec": cut.activation_codec,
             "gradient_codec": cut.gradient_codec,
+            # only when set, so checkpoints written before the engine ran U-shaped still resume
+            **({"head_layers": self.split.head_layers} if self.split.u_shaped else {}),
         }
 
 
@@ -105,7 +111,9 @@ class EngineRound:
     client dropped (given up after ``max_attempts``, or a gradient the client never applied);
     ``retries`` the exchanges asked again. ``steps_by_partition`` and ``trained`` (partitions whose
     update was averaged in) say who took part. Bytes are payload bytes at the cut (activations and
-    gradients, and what they take as fp32), labels, and dense updates up and models down.
+    gradients, U-shaped also the server stage's output and the gradient at it, and what they take as
+    fp32), labels, updates up (dense, or the ``update_codec`` payloads) and models down. ``round_s`` is
+    the round's simulated time and ``clock_s`` the run's so far (0 without ``profiles``).
     """
 
     round: int
@@ -125,3 +133,5 @@ class EngineRound:
     wall_s: float
     trained: list[int] = field(default_factory=list)
     steps_by_partition: dict[str, int] = field(default_factory=dict)
+    round_s: float = 0.0
+    clock_s: float = 0.0

@@ -29,6 +29,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedge.split.config import SplitFedConfig
+from fedge.split.cut import CutConfig
 
 __all__ = [
     "FULL_TRAIN",
@@ -58,7 +59,8 @@ class RunSettings:
     alpha : float
         Dirichlet concentration of the data split.
     split : SplitFedConfig
-        Batch size, epochs, learning rate, momentum, seed and the cut's codecs.
+        Batch size, epochs, learning rate, momentum, seed, the cut's codecs, the U-shaped head and the
+        update codec.
     """
 
     task: str
@@ -82,6 +84,10 @@ class RunSettings:
                 "momentum": float(s.momentum),
                 "activation-codec": s.cut.activation_codec,
                 "activation-feedback": bool(s.cut.activation_feedback),
+                "gradient-codec": s.cut.gradient_codec,
+                "gradient-feedback": bool(s.cut.gradient_feedback),
+                "head-layers": int(s.head_layers) if s.u_shaped else 0,
+                "update-codec": s.update_codec or "",
                 **more,
             }
         )
@@ -96,6 +102,26 @@ class RunSettings:
             learning_rate=float(record["learning-rate"]),
             momentum=float(record["momentum"]),
         )
+
+    @staticmethod
+    def cut_config(record: ConfigRecord) -> CutConfig:
+        """The codecs of the client's half of the cut (activations up; U-shaped, gradients up too)."""
+        return CutConfig(
+            activation_codec=str(record["activation-codec"]),
+            gradient_codec=str(record.get("gradient-codec", "fp32")),
+            activation_feedback=bool(record["activation-feedback"]),
+            gradient_feedback=bool(record.get("gradient-feedback", False)),
+        )
+
+    @staticmethod
+    def head_layers(record: ConfigRecord) -> int:
+        """Layers of the U-shaped head the client runs (0: not U-shaped)."""
+        return int(record.get("head-layers", 0))
+
+    @staticmethod
+    def update_codec(record: ConfigRecord) -> str | None:
+        """The codec spec of client updates (None: dense)."""
+        return str(record.get("update-codec", "")) or None
 
 
 @dataclass(frozen=True)
@@ -143,9 +169,16 @@ class StepRequest:
     gradient : bytes
         The gradient payload at the cut (empty when ``grad_step`` is -1).
     collect : bool
-        Reply with the trained front stage.
+        Reply with the trained front stage (and head), or its encoded update.
     front : dict of str to tensor or None
         The round's front stage (state-dict keys of the stage), sent until the client has started the round.
+    head_step, head_version : int
+        U-shaped: the batch ``middle`` belongs to (-1: none) and the front's version its activations were
+        computed with; the client runs its head on it once (a repeat gets the same answer again).
+    middle : bytes
+        U-shaped: the server stage's output payload for ``head_step``.
+    head : dict of str to tensor or None
+        U-shaped: the round's head (its own state-dict keys), sent with ``front``.
     """
 
     server_round: int
@@ -157,6 +190,10 @@ class StepRequest:
     gradient: bytes = b""
     collect: bool = False
     front: dict[str, torch.Tensor] | None = None
+    head_step: int = -1
+    head_version: int = -1
+    middle: bytes = b""
+    head: dict[str, torch.Tensor] | None = None
 
     def content(self, settings: RunSettings) -> RecordDict:
         record = settings.record(
@@ -164,17 +201,28 @@ class StepRequest:
             session=self.session,
             cut=self.cut,
             step=self.step,
-            **{"grad-step": self.grad_step, "grad-version": self.grad_version, "collect": self.collect},
+            **{
+                "grad-step": self.grad_step,
+                "grad-version": self.grad_version,
+                "collect": self.collect,
+                "head-step": self.head_step,
+                "head-version": self.head_version,
+            },
         )
-        content = RecordDict({"config": record, "cut": ConfigRecord({"gradient": self.gradient})})
+        cut = ConfigRecord({"gradient": self.gradient, "middle": self.middle})
+        content = RecordDict({"config": record, "cut": cut})
         if self.front is not None:
             content["front"] = ArrayRecord(self.front)
+        if self.head is not None:
+            content["head"] = ArrayRecord(self.head)
         return content
 
     @classmethod
     def from_message(cls, message: Message) -> StepRequest:
         config = message.content["config"]
         front = message.content.array_records.get("front")
+        head = message.content.array_records.get("head")
+        cut = message.content["cut"]
         return cls(
             server_round=int(config["server-round"]),
             session=str(config["session"]),
@@ -182,9 +230,13 @@ class StepRequest:
             step=int(config["step"]),
             grad_step=int(config["grad-step"]),
             grad_version=int(config["grad-version"]),
-            gradient=bytes(message.content["cut"]["gradient"]),
+            gradient=bytes(cut["gradient"]),
             collect=bool(config["collect"]),
             front=None if front is None else dict(front.to_torch_state_dict()),
+            head_step=int(config.get("head-step", -1)),
+            head_version=int(config.get("head-version", -1)),
+            middle=bytes(cut.get("middle", b"")),
+            head=None if head is None else dict(head.to_torch_state_dict()),
         )
 
 
@@ -205,9 +257,22 @@ class StepReply:
     activation, labels : bytes
         The activation payload and the labels (int64 bytes).
     front : dict of str to tensor or None
-        The trained front stage (``collect``).
+        The trained front stage (``collect`` with dense updates).
     num_examples : int
         The client's training examples (the weight of its front in the average).
+    samples : int
+        Samples in batch ``step`` (or, U-shaped, in batch ``head_step``).
+    head_step : int
+        U-shaped: the batch of ``head_gradient`` and ``loss`` (-1: none).
+    head_gradient : bytes
+        U-shaped: the gradient payload at the server stage's output.
+    loss : float
+        U-shaped: the head's loss on batch ``head_step`` (the labels never left the client).
+    head : dict of str to tensor or None
+        U-shaped: the trained head (``collect`` with dense updates).
+    update : bytes
+        ``collect`` with an update codec: the front's (and head's) update since the round's start, encoded
+        with the client's error feedback and keyed by the model's names, instead of ``front`` and ``head``.
     """
 
     server_round: int
@@ -219,6 +284,12 @@ class StepReply:
     labels: bytes = b""
     front: dict[str, torch.Tensor] | None = None
     num_examples: int = 0
+    samples: int = 0
+    head_step: int = -1
+    head_gradient: bytes = b""
+    loss: float = 0.0
+    head: dict[str, torch.Tensor] | None = None
+    update: bytes = b""
 
     def content(self) -> RecordDict:
         record = ConfigRecord(
@@ -230,6 +301,11 @@ class StepReply:
                 "step": self.step,
                 "activation": self.activation,
                 "labels": self.labels,
+                "samples": self.samples,
+                "head-step": self.head_step,
+                "head-gradient": self.head_gradient,
+                "loss": float(self.loss),
+                "update": self.update,
             }
         )
         content = RecordDict(
@@ -237,12 +313,15 @@ class StepReply:
         )
         if self.front is not None:
             content["front"] = ArrayRecord(self.front)
+        if self.head is not None:
+            content["head"] = ArrayRecord(self.head)
         return content
 
     @classmethod
     def from_message(cls, message: Message) -> StepReply:
         record = message.content["split"]
         front = message.content.array_records.get("front")
+        head = message.content.array_records.get("head")
         return cls(
             server_round=int(record["server-round"]),
             session=str(record["session"]),
@@ -253,4 +332,10 @@ class StepReply:
             labels=bytes(record["labels"]),
             front=None if front is None else dict(front.to_torch_state_dict()),
             num_examples=int(message.content["metrics"]["num-examples"]),
+            samples=int(record.get("samples", 0)),
+            head_step=int(record.get("head-step", -1)),
+            head_gradient=bytes(record.get("head-gradient", b"")),
+            loss=float(record.get("loss", 0.0)),
+            head=None if head is None else dict(head.to_torch_state_dict()),
+            update=bytes(record.get("update", b"")),
         )

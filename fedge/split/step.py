@@ -18,6 +18,7 @@ from the batch: :meth:`FrontStage.backward` takes ``features`` for that.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -124,6 +125,11 @@ class BackStage:
         Zero the cut gradient where the activation is zero (set it when the front ends in a ReLU).
     loss_fn : callable (default: cross-entropy)
         Loss of the back's output against the labels.
+    snapshot : bool (default: False)
+        U-shaped: run each :meth:`forward` on a copy of the weights and apply its gradient to the live ones
+        at :meth:`backward`. Set it when other clients step the same parameters between a client's forward
+        and its backward (a message engine's shared V2 stage): the kept graph stays valid and the gradient
+        is the one of the weights that produced the output (applied one step late, as asynchronous SGD).
     """
 
     def __init__(
@@ -133,9 +139,11 @@ class BackStage:
         *,
         mask_gradient: bool = False,
         loss_fn: LossFn = nn.functional.cross_entropy,
+        snapshot: bool = False,
     ) -> None:
         self.back, self.optimizer, self.mask_gradient, self.loss_fn = back, optimizer, mask_gradient, loss_fn
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.snapshot = snapshot
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, nn.Module]] = {}
 
     def _cut_gradient(self, activation: torch.Tensor) -> torch.Tensor:
         grad = activation.grad
@@ -154,13 +162,21 @@ class BackStage:
         """U-shaped, first half: activations in, this stage's output payload out (graph kept per client)."""
         self.back.train()
         activation = decode_tensor(payload).requires_grad_(True)
-        output = self.back(activation)
-        self._pending[client] = (activation, output)
+        used = copy.deepcopy(self.back) if self.snapshot else self.back
+        output = used(activation)
+        self._pending[client] = (activation, output, used)
         return link.activation_down.encode(output, seed=seed)
 
     def backward(self, payload: bytes, link: CutLink, *, client: int = 0, seed: int = 0) -> bytes:
         """U-shaped, second half: the gradient at this stage's output in; step; the cut gradient out."""
-        activation, output = self._pending.pop(client)
+        activation, output, used = self._pending.pop(client)
         output.backward(decode_tensor(payload).reshape(output.shape))
+        if used is not self.back:  # the snapshot's gradient, onto the live weights
+            for live, copied in zip(self.back.parameters(), used.parameters(), strict=True):
+                live.grad = copied.grad
         _step(self.optimizer)
         return link.gradient_down.encode(self._cut_gradient(activation), seed=seed)
+
+    def discard(self, client: int = 0) -> None:
+        """U-shaped: forget ``client``'s pending forward (its head never answered: the batch is lost)."""
+        self._pending.pop(client, None)

@@ -24,12 +24,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedge.devices.clock import transfer
 from fedge.devices.fleet import LinkProfile
+from fedge.split.model import segment
 
 __all__ = [
     "StageFlops",
     "StepCost",
     "send_s",
     "simulate_split_round",
+    "split_stage_flops",
     "stage_flops",
 ]
 
@@ -68,6 +70,33 @@ def stage_flops(stage: nn.Module, example: torch.Tensor) -> StageFlops:
         output.float().sum().backward()
     stage.zero_grad(set_to_none=True)
     return StageFlops(float(forward.get_total_flops()), float(backward.get_total_flops()))
+
+
+def split_stage_flops(
+    chain: nn.Sequential, example: torch.Tensor, cut: int, end: int
+) -> tuple[StageFlops, StageFlops, StageFlops]:
+    """Per-sample FLOPs of the front ``[0, cut)``, the server stage ``[cut, end)`` and the head ``[end, n)``.
+
+    Parameters
+    ----------
+    chain : nn.Sequential
+        The model as a chain (a copy: counting runs a backward through it).
+    example : torch.Tensor
+        One input sample without the batch dimension.
+    cut, end : int
+        Where the front ends and where the (U-shaped) head begins (``len(chain)``: no head).
+    """
+    x = example.unsqueeze(0)
+    front, middle, head = segment(chain, 0, cut), segment(chain, cut, end), segment(chain, end)
+    with torch.no_grad():
+        a = front(x)
+        m = middle(a)
+    none = StageFlops(0.0, 0.0)
+    return (
+        stage_flops(front, x[0]),
+        stage_flops(middle, a[0]),
+        stage_flops(head, m[0]) if len(head) else none,
+    )
 
 
 def send_s(nbytes: float, link: LinkProfile, *, up: bool) -> float:
