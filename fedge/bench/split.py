@@ -21,6 +21,13 @@ Headline: ``split_accuracy_gap_pp`` (FedAvg's final accuracy minus the mixed V2 
 measured: autograd's saved tensors plus parameters, gradients, optimizer state and model copies),
 ``epoch_speedup_vs_sequential_split`` and ``cut_bytes_reduction`` (cut tensor bytes, fp32 over
 compressed) with ``cut_compression_accuracy_cost_pp`` (its accuracy cost, points).
+
+The larger model (:mod:`fedge.bench._split_large`: a 590k-parameter CNN on the digits upscaled to 16x16, a
+fleet of Pis and 4 MiB and 1 MiB boards planned by memory, 10 rounds; ``--quick``: one round of one epoch on
+half the data) adds the same figures under ``large_*`` keys: ``large_model_params``,
+``large_split_accuracy_gap_pp``, ``large_front_stage_memory_ratio``, ``large_cut_bytes_reduction``,
+``large_epoch_speedup_vs_sequential_split``, ``large_cut_compression_accuracy_cost_pp``,
+``large_sim_time_vs_fedavg`` and the cuts chosen.
 """
 
 from __future__ import annotations
@@ -31,25 +38,18 @@ from typing import Any
 import torch
 
 from fedge.app.task import DigitsTask
-from fedge.bench._common import emit, parse_args, timed
-from fedge.devices.fleet import CATALOGUE, ClientProfile, ComputeProfile, LinkProfile, mbit_per_s
+from fedge.bench._common import emit, parse_args
+from fedge.bench._split_large import MCU, large_model_section, run_fleet
+from fedge.devices.fleet import CATALOGUE, ClientProfile
 from fedge.split import (
     SPARSE_NONZERO,
     CutConfig,
-    SplitFedConfig,
-    SplitFedRun,
     as_chain,
     block_cuts,
     cut_gradient_max_abs_diff,
-    plan_fleet,
 )
 
 CLIENTS, ALPHA, SEED = 10, 0.5, 0
-MCU = ClientProfile(
-    ComputeProfile(flops_per_s=0.2e9, memory_bytes=2**20, encode_bytes_per_s=20e6, decode_bytes_per_s=80e6),
-    LinkProfile(mbit_per_s(2), mbit_per_s(4), latency_s=0.01),
-    "mcu_wifi",
-)
 PI = CATALOGUE["pi4_wifi"]
 COMPRESSED = CutConfig(SPARSE_NONZERO, SPARSE_NONZERO)
 
@@ -62,27 +62,7 @@ def _data() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor
 
 
 def _run(profiles: list[ClientProfile], data: Any, test: Any, **settings: Any) -> dict[str, Any]:
-    torch.manual_seed(SEED)
-    model = DigitsTask().model()
-    plans, memory = plan_fleet(model, data[0][0][0], profiles)
-    config = SplitFedConfig(**{"seed": SEED, "local_epochs": 2, "batch_size": 16, **settings})
-    with timed() as t:
-        history = SplitFedRun(model, data, test, plans, profiles, config).run()
-    last = history.rounds[-1]
-    return {
-        "accuracy": history.accuracy,
-        "accuracy_by_round": [r.accuracy for r in history.rounds],
-        "split_clients": sum(p.mode == "split" for p in plans),
-        "cuts": sorted({p.cut for p in plans if p.cut is not None}),
-        "cut_bytes": history.total("cut_bytes"),
-        "cut_dense_bytes": history.total("cut_dense_bytes"),
-        "label_bytes": history.total("label_bytes"),
-        "update_bytes": history.total("update_bytes"),
-        "sim_time_s": last.clock_s,
-        "wall_s": t["wall_s"],
-        "memory": {k: v.total_bytes for k, v in memory.items()},
-        "plans": plans,
-    }
+    return run_fleet(DigitsTask().model, profiles, data, test, **settings)
 
 
 def _gradient_check() -> float:
@@ -136,11 +116,15 @@ def main() -> None:
         headline["split_accuracy_gap_v1_pp"] = 100 * (base["accuracy"] - runs["mixed v1"]["accuracy"])
     for run in runs.values():
         run.pop("plans")
+    large_runs, large_headline, large = large_model_section(args.quick)
+    runs.update(large_runs)
+    headline.update(large_headline)
     result = {
         "rounds": rounds,
         "memory_method": "autograd saved tensors (saved_tensors_hooks) on a real batch + parameters, "
         "gradients, momentum and 2 model copies, via fedge.devices.budget.training_memory_bytes",
         "devices": {"full": PI.name, "split": MCU.name, "split_memory_bytes": MCU.compute.memory_bytes},
+        "large": large,
         "runs": runs,
         "headline": headline,
     }
@@ -149,6 +133,7 @@ def main() -> None:
             "run": name,
             "accuracy": r["accuracy"],
             "split clients": r["split_clients"],
+            "cuts": r["cuts"],
             "cut MB": r["cut_bytes"] / 1e6,
             "cut fp32 MB": r["cut_dense_bytes"] / 1e6,
             "sim s": r["sim_time_s"],
@@ -156,7 +141,8 @@ def main() -> None:
         }
         for name, r in runs.items()
     ]
-    emit(result, as_json=args.json, title="split federated training vs FedAvg (digits)", rows=rows)
+    title = "split federated training vs FedAvg (digits, larger CNN)"
+    emit(result, as_json=args.json, title=title, rows=rows)
 
 
 if __name__ == "__main__":

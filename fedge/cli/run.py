@@ -14,7 +14,7 @@ from typing import Any
 import typer
 
 from fedge.cli.common import config_errors, configure_logging, fail
-from fedge.config import ConfigError
+from fedge.config import ConfigError, read_toml
 
 __all__ = ["bench", "parse_task_args", "simulate"]
 
@@ -71,6 +71,12 @@ def simulate(
     attackers: float | None = typer.Option(
         None, help="Fraction of the clients that attack (needs --attack) [default: 0.2]."
     ),
+    split: bool = typer.Option(
+        False,
+        "--split",
+        help="Split federated training on the in-process driver: devices too small for the model train its "
+        "front stage (settings: the [split] table; fleet: [fleet], default half pi4_wifi, half mcu_wifi).",
+    ),
     config: Path | None = typer.Option(
         None, "--config", help="TOML file with flat keys (clients, rounds, ...) and a [task] table."
     ),
@@ -110,6 +116,12 @@ def simulate(
     with config_errors():
         if task_arg:
             flags["task_args"] = parse_task_args(task_arg)
+    if split:
+        _simulate_split(config, flags, out, verbose)
+        return
+    with config_errors():
+        if config and "split" in read_toml(config):
+            raise ConfigError("the [split] table configures split training: add --split")
         sim = SimulationConfig.from_toml(config, flags) if config else SimulationConfig.from_mapping(flags)
         load_task(sim.app.task, sim.app.task_args)
     configure_logging(verbose)
@@ -143,6 +155,47 @@ def simulate(
     console.print(
         f"metrics: {out / 'metrics.json'}\nplots:   {out / 'accuracy.png'}, {out / 'accuracy_vs_upload.png'}"
     )
+
+
+def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbose: bool) -> None:
+    """``fedge simulate --split``: parse, plan, run (:mod:`fedge.simulation.split_run`), report."""
+    from rich.console import Console
+
+    from fedge.reporting.display import RoundProgress
+    from fedge.simulation.split_run import (
+        SplitSimulationRun,
+        load_split_simulation,
+        plan_table,
+        split_summary_table,
+    )
+
+    with config_errors():
+        split_sim = load_split_simulation(config, flags)
+    configure_logging(verbose)
+    sim, settings = split_sim.sim, split_sim.split
+    with config_errors():  # the task's data split, a model that is not a chain, a fleet where nobody fits
+        run = SplitSimulationRun(split_sim)
+    console = Console()
+    cut = f"{settings.activation_codec}/{settings.gradient_codec}"
+    mode = "U-shaped, " if settings.u_shaped else ""
+    mode += "SplitFed" if settings.parallel else "sequential split learning"
+    console.print(
+        f"[bold]fedge simulate --split[/]: {sim.clients} clients, {sim.app.rounds} rounds, {mode} "
+        f"{settings.variant}, cut {cut}, task {sim.app.task}, alpha {sim.app.alpha}, seed {sim.app.seed}",
+        highlight=False,
+    )
+    console.print(plan_table(run))
+    try:
+        with RoundProgress(sim.app.rounds, console) as progress:
+            history = run.run(listeners=[progress.update])
+    except KeyboardInterrupt:
+        done = len(run.history.rounds)
+        kept = f"; its metrics and plots are in {out}" if done else ""
+        console.print(f"interrupted after {done} of {sim.app.rounds} rounds{kept}")
+        raise typer.Exit(130) from None
+    console.print(split_summary_table(history))
+    plots = ", ".join(str(out / name) for name in ("accuracy.png", "accuracy_vs_time.png"))
+    console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)
 
 
 def _codec_policy(spec: str, model: Any) -> str:

@@ -97,9 +97,14 @@ class SplitFedRun:
         self.model_bytes = 4 * sum(p.numel() for p in model.parameters())
         self.history = SplitHistory()
         self.clock_s = 0.0
-        for cut in {p.cut for p in plans if p.mode == "split"}:
+        cuts = {p.cut for p in plans if p.mode == "split"}
+        for cut in cuts:
             if cut is not None and not 1 <= cut < self.end:
                 raise ValueError(f"cut {cut} leaves no server-side layers (chain of {len(self.chain)})")
+        if not config.parallel and len(cuts) > 1:  # vanilla SL hands one front stage from client to client
+            raise ValueError(
+                f"sequential split learning needs one cut for all split clients, not {sorted(cuts)}"
+            )
 
     def flops(self, cut: int) -> tuple[StageFlops, StageFlops, StageFlops]:
         """Per-sample FLOPs of the front, the server-side stage and the (U-shaped) head at ``cut``."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import pytest
 import torch
 from split_helpers import MCU, PI
 
@@ -73,3 +75,12 @@ def test_sequential_split_learning_is_slower_on_the_clock(model, clients) -> Non
     _, parallel = _run(copy.deepcopy(model), clients, [MCU] * 4, parallel=True)
     _, sequential = _run(copy.deepcopy(model), clients, [MCU] * 4, parallel=False)
     assert sequential.rounds[0].round_s > 3 * parallel.rounds[0].round_s
+
+
+def test_sequential_split_learning_refuses_clients_at_different_cuts(model, clients) -> None:
+    plans, _ = plan_fleet(model, clients[0][0][0], [MCU] * 4)
+    mixed = [dataclasses.replace(plan, cut=plan.cut + (i % 2)) for i, plan in enumerate(plans)]
+    test = clients[0]
+    with pytest.raises(ValueError, match="one cut for all split clients"):
+        SplitFedRun(model, clients, test, mixed, [MCU] * 4, SplitFedConfig(parallel=False))
+    SplitFedRun(model, clients, test, mixed, [MCU] * 4, SplitFedConfig(parallel=True))  # parallel is fine

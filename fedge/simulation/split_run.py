@@ -1,0 +1,518 @@
+"""``fedge simulate --split``: split federated training of a simulated fleet, in process.
+
+The run's settings are ``fedge simulate``'s (clients, rounds, local epochs, batch size, learning rate, task,
+alpha, seed, the ``[fleet]`` table) plus a ``[split]`` table (:class:`SplitSettings`): the SplitFed variant,
+U-shaped or not, parallel or sequential, the cut codecs and how memory is counted. Each client gets a
+device class from the fleet; :func:`fedge.split.plan_fleet` decides from that device's memory whether it
+trains the full model, the front stage up to which cut, or sits the run out. The rounds run on the
+in-process driver (:class:`fedge.split.SplitFedRun`), on its simulated clock::
+
+    clients = 6
+    rounds = 5
+    [fleet]
+    mix = {pi4_wifi = 0.5, mcu_wifi = 0.5}
+    [split]
+    variant = "v1"
+    activation_codec = "threshold:1e-30+int8"
+    gradient_codec = "threshold:1e-30+int8"
+
+Split runs know one device class beyond :data:`fedge.devices.fleet.CATALOGUE`: ``mcu_wifi``
+(:data:`MCU_WIFI`, a microcontroller-class board with 1 MiB for training, which cannot train the digits CNN);
+without a ``[fleet]`` table the fleet is half ``pi4_wifi``, half ``mcu_wifi``. Settings of ``fedge simulate``
+that the split driver does not implement (engines, compression presets, robust strategies, attacks,
+availability, schedules, exports) are refused with one line, not ignored.
+
+``metrics.json`` (rewritten after every round) holds the fleet's plan (``fleet``: device, mode, cut and
+training memory of every client; ``memory``: of the full model and of each candidate front stage) and per
+round the accuracy, bytes both ways, simulated time (``sim_time_s``, ``sim_clock_s``), cut traffic and who
+trained full (``full_clients``) and split at which cut (``split_clients``: cut -> clients). The plots are
+``accuracy.png``, ``accuracy_vs_time.png`` (simulated time) and ``accuracy_vs_upload.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from rich.table import Table
+
+from fedge.app.config import AppConfig
+from fedge.app.task import PreparedTask, prepare_task
+from fedge.atomic import write_json_atomic
+from fedge.config import ConfigError, check_types, from_table, read_toml
+from fedge.devices.fleet import (
+    ClientProfile,
+    ComputeProfile,
+    FleetConfig,
+    LinkProfile,
+    assign_fleet,
+    mbit_per_s,
+)
+from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
+from fedge.reporting.plots import plot_accuracy, plot_accuracy_vs_time, plot_accuracy_vs_upload
+from fedge.simulation.config import SimulationConfig
+from fedge.split import (
+    ClientPlan,
+    CutConfig,
+    MemoryConfig,
+    SplitFedConfig,
+    SplitFedRun,
+    as_chain,
+    block_cuts,
+    evaluate,
+    plan_fleet,
+)
+
+__all__ = [
+    "MCU_WIFI",
+    "SplitSettings",
+    "SplitSimulation",
+    "SplitSimulationRun",
+    "load_split_simulation",
+    "plan_table",
+    "split_summary_table",
+]
+
+log = logging.getLogger(__name__)
+
+MCU_WIFI = ClientProfile(
+    ComputeProfile(flops_per_s=0.2e9, memory_bytes=2**20, encode_bytes_per_s=20e6, decode_bytes_per_s=80e6),
+    LinkProfile(mbit_per_s(2), mbit_per_s(4), latency_s=0.01),
+    "mcu_wifi",
+)
+"""A microcontroller-class board on Wi-Fi (1 MiB for training, 0.2 GFLOP/s, 2/4 Mbit/s): the small device
+of ``fedge bench split``, known to split runs by name."""
+
+_DEFAULT_MIX = {"pi4_wifi": 0.5, "mcu_wifi": 0.5}
+
+# AppConfig fields the split driver uses; every other one must keep its default in a split run.
+_USED_APP_FIELDS = {
+    "rounds",
+    "local_epochs",
+    "learning_rate",
+    "batch_size",
+    "alpha",
+    "seed",
+    "task",
+    "task_args",
+    "out_dir",
+}
+_HINTS = {
+    "codec": "compress the cut with [split] activation_codec / gradient_codec, updates with update_codec",
+    "compress": "compress the cut with [split] activation_codec / gradient_codec, updates with update_codec",
+}
+
+
+@dataclass(frozen=True)
+class SplitSettings:
+    """The ``[split]`` table of ``fedge simulate --split``.
+
+    Parameters
+    ----------
+    variant : {"v1", "v2"} (default: "v2")
+        SplitFed V1 (one server-side model per split client) or V2 (one shared).
+    u_shaped : bool (default: False)
+        Labels stay on the device: the last ``head_layers`` layers run there too.
+    head_layers : int (default: 1)
+        Layers of the U-shaped head.
+    parallel : bool (default: True)
+        SplitFed (split clients step at once) or vanilla split learning (they take turns, handing the front
+        stage on; needs every split client at the same cut).
+    activation_codec, gradient_codec : str (default: "fp32")
+        Codec specs for the activations (up) and gradients (down) at the cut, e.g.
+        ``"threshold:1e-30+int8"`` (only the nonzeros, int8).
+    activation_feedback, gradient_feedback : bool (default: False)
+        Error feedback for the cut tensors, per client link and direction.
+    mask_gradient : bool (default: True)
+        Zero the cut gradient where the ReLU activation is zero (lossless; sparse codecs then send less).
+    update_codec : str (default: "")
+        Codec spec for the client updates at the end of a round (with error feedback); empty: dense fp32.
+    momentum : float (default: 0.9)
+        SGD momentum, on the devices and the coordinator.
+    server_workers : int (default: 1)
+        Split steps the coordinator serves at once (the simulated clock's queue).
+    cut_policy : {"shallowest", "least_traffic"} (default: "shallowest")
+        Which of the cuts whose front stage fits a device it gets.
+    cuts : list of int (default: [], the block cuts)
+        Candidate cuts (layer indices of the model's chain).
+    usable_fraction : float (default: 0.9)
+        Share of a device's memory training may fill.
+    optimizer : {"sgd", "momentum", "adam"} (default: "momentum")
+        Optimizer state counted in the training memory.
+    extra_model_copies : int (default: 2)
+        Model copies counted beside the trained one.
+    memory_batch_size : int (default: 0, the run's batch_size)
+        Batch size the training memory is measured at.
+    """
+
+    variant: Literal["v1", "v2"] = "v2"
+    u_shaped: bool = False
+    head_layers: int = 1
+    parallel: bool = True
+    activation_codec: str = "fp32"
+    gradient_codec: str = "fp32"
+    activation_feedback: bool = False
+    gradient_feedback: bool = False
+    mask_gradient: bool = True
+    update_codec: str = ""
+    momentum: float = 0.9
+    server_workers: int = 1
+    cut_policy: Literal["shallowest", "least_traffic"] = "shallowest"
+    cuts: tuple[int, ...] = ()
+    usable_fraction: float = 0.9
+    optimizer: Literal["sgd", "momentum", "adam"] = "momentum"
+    extra_model_copies: int = 2
+    memory_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        checks = (
+            (0 < self.usable_fraction <= 1, "usable_fraction must be in (0, 1]"),
+            (self.extra_model_copies >= 0, "extra_model_copies must be >= 0"),
+            (self.memory_batch_size >= 0, "memory_batch_size must be >= 0 (0: the run's batch_size)"),
+            (all(c >= 1 for c in self.cuts), "cuts must be layer indices >= 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        # Codec specs and the driver's own ranges are checked by the objects that use them.
+        self.cut_config()
+        SplitFedConfig(**self._driver_fields())
+
+    def cut_config(self) -> CutConfig:
+        """How the cut tensors travel."""
+        return CutConfig(
+            self.activation_codec,
+            self.gradient_codec,
+            self.activation_feedback,
+            self.gradient_feedback,
+            self.mask_gradient,
+        )
+
+    def _driver_fields(self) -> dict[str, Any]:
+        return {
+            "momentum": self.momentum,
+            "variant": self.variant,
+            "u_shaped": self.u_shaped,
+            "head_layers": self.head_layers,
+            "parallel": self.parallel,
+            "update_codec": self.update_codec or None,
+            "server_workers": self.server_workers,
+        }
+
+    def driver_config(self, app: AppConfig) -> SplitFedConfig:
+        """The driver's configuration: these settings with the run's rounds, epochs, batch, step and seed."""
+        return SplitFedConfig(
+            rounds=app.rounds,
+            local_epochs=app.local_epochs,
+            batch_size=app.batch_size,
+            learning_rate=app.learning_rate,
+            seed=app.seed,
+            cut=self.cut_config(),
+            **self._driver_fields(),
+        )
+
+    def memory_config(self, app: AppConfig) -> MemoryConfig:
+        """How :func:`fedge.split.plan_fleet` counts training memory."""
+        return MemoryConfig(
+            batch_size=self.memory_batch_size or app.batch_size,
+            optimizer=self.optimizer,
+            extra_model_copies=self.extra_model_copies,
+            usable_fraction=self.usable_fraction,
+            cut_policy=self.cut_policy,
+        )
+
+
+@dataclass(frozen=True)
+class SplitSimulation:
+    """A split simulation: ``fedge simulate``'s settings (with a fleet) and the ``[split]`` table."""
+
+    sim: SimulationConfig
+    split: SplitSettings = field(default_factory=SplitSettings)
+
+    @property
+    def fleet(self) -> FleetConfig:
+        """The run's fleet (always set: :func:`load_split_simulation` gives a default one)."""
+        assert self.sim.fleet is not None
+        return self.sim.fleet
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.sim.to_json(),
+            "fleet": {"mix": self.fleet.mix, "seed": self.fleet.seed},
+            "split": dataclasses.asdict(self.split),
+        }
+
+
+def load_split_simulation(
+    path: str | Path | None, overrides: Mapping[str, Any] | None = None
+) -> SplitSimulation:
+    """Read a split simulation from a TOML file (or none) and flags.
+
+    Parameters
+    ----------
+    path : str, Path or None
+        The ``fedge simulate`` TOML file, with an optional ``[split]`` table.
+    overrides : mapping, optional
+        Flags, which win over the file (``clients``, ``rounds``, ``out_dir``, ...).
+
+    Raises
+    ------
+    ConfigError
+        For an unknown key or a bad value (named), or a setting split runs do not implement.
+    """
+    values = read_toml(path) if path is not None else {}
+    table = values.pop("split", {})
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"split must be a table, got {table!r}")
+    values = {**values, **(overrides or {})}
+    fleet = values.get("fleet")
+    if fleet is None:
+        values["fleet"] = {"mix": dict(_DEFAULT_MIX), "classes": {"mcu_wifi": MCU_WIFI}}
+    elif isinstance(fleet, Mapping) and isinstance(fleet.get("classes", {}), Mapping):
+        values["fleet"] = {**fleet, "classes": {"mcu_wifi": MCU_WIFI, **fleet.get("classes", {})}}
+    sim = SimulationConfig.from_mapping(values)
+    _check_supported(sim)
+    return SplitSimulation(sim, from_table(SplitSettings, table, where="split"))
+
+
+def _check_supported(sim: SimulationConfig) -> None:
+    """Refuse what the split driver does not do, naming the key."""
+    if sim.engine != "local":
+        raise ConfigError(
+            f"engine {sim.engine!r} does not run split training: split runs use the in-process driver "
+            "(leave engine unset)"
+        )
+    if sim.availability:
+        raise ConfigError("availability is not supported with --split (every client takes part every round)")
+    if sim.schedule != type(sim.schedule)():
+        raise ConfigError("a [schedule] table is not supported with --split")
+    defaults = AppConfig()
+    for f in dataclasses.fields(AppConfig):
+        if f.name not in _USED_APP_FIELDS and getattr(sim.app, f.name) != getattr(defaults, f.name):
+            hint = _HINTS.get(f.name, "split runs do not implement it")
+            raise ConfigError(f"{f.name} is not used by split training (--split): {hint}")
+
+
+class SplitSimulationRun:
+    """A planned split simulation: its task data, fleet and plan, ready to :meth:`run`.
+
+    Parameters
+    ----------
+    config : SplitSimulation
+        The run.
+
+    Raises
+    ------
+    ConfigError
+        When the model is not a chain, a cut is out of range, no client can train, or sequential split
+        learning would need different cuts.
+    """
+
+    def __init__(self, config: SplitSimulation) -> None:
+        self.config = config
+        app = config.sim.app
+        clients = config.sim.clients
+        self.task: PreparedTask = prepare_task(
+            app.task, app.task_args_json, clients, alpha=app.alpha, seed=app.seed
+        )
+        self.data = [self.task.partition(i) for i in range(clients)]
+        self.test = self.task.test_set()
+        self.profiles: tuple[ClientProfile, ...] = assign_fleet(config.fleet, clients, seed=config.fleet.seed)
+        torch.manual_seed(app.seed)
+        self.model = self.task.task.model()
+        try:
+            chain = as_chain(self.model)
+        except ValueError as err:
+            raise ConfigError(f"the task's model cannot be split: {err}") from None
+        settings = config.split
+        end = len(chain) - (settings.head_layers if settings.u_shaped else 0)
+        cuts = list(settings.cuts) or [c for c in block_cuts(chain) if c < end]
+        bad = [c for c in cuts if not 1 <= c < end]
+        if bad or not cuts:
+            raise ConfigError(
+                f"split.cuts: cut {bad[0] if bad else '(none)'} leaves no server-side layers; the model's "
+                f"chain has {len(chain)} layers, so cuts must be in 1..{end - 1}"
+            )
+        self.plans: list[ClientPlan]
+        self.plans, memory = plan_fleet(
+            self.model, self.data[0][0][0], self.profiles, settings.memory_config(app), cuts=cuts
+        )
+        self.memory = {name: stage.total_bytes for name, stage in memory.items()}
+        if all(p.mode == "none" for p in self.plans):
+            smallest = min(v for k, v in self.memory.items() if k != "full")
+            raise ConfigError(
+                f"no client can train: the smallest front stage needs {smallest / 2**20:.2f} MiB of training "
+                "memory, more than any device in the fleet has"
+            )
+        split_cuts = sorted({p.cut for p in self.plans if p.mode == "split"})
+        if not settings.parallel and len(split_cuts) > 1:
+            raise ConfigError(
+                f"split.parallel = false hands one front stage from client to client, but the plan gives "
+                f"cuts {split_cuts}: set split.cuts = [{split_cuts[-1]}]"
+            )
+        sitting_out = sum(p.mode == "none" for p in self.plans)
+        if sitting_out:
+            log.warning(
+                "%d clients have too little memory for any front stage and sit the run out", sitting_out
+            )
+        self.driver = SplitFedRun(
+            self.model, self.data, self.test, self.plans, self.profiles, settings.driver_config(app)
+        )
+        self.history = RunHistory(config=config.to_json())
+
+    def fleet_json(self) -> list[dict[str, Any]]:
+        """Every client's device and plan."""
+        return [
+            {
+                "client": i,
+                "device": profile.name,
+                "mode": plan.mode,
+                "cut": plan.cut,
+                "required_bytes": plan.required_bytes,
+                "device_bytes": plan.device_bytes,
+            }
+            for i, (profile, plan) in enumerate(zip(self.profiles, self.plans, strict=True))
+        ]
+
+    def run(self, listeners: Iterable[RoundListener] = ()) -> RunHistory:
+        """Run every round, telling ``listeners`` of each; ``metrics.json`` is written after every round and
+        the plots at the end (also when interrupted: the completed rounds are kept)."""
+        self.history.listeners.extend(listeners)
+        self.history.initial_accuracy = evaluate(self.model, self.test)[1]
+        out_dir = self.config.sim.app.out_dir
+        # Split steps are small batches through a few layers: one thread runs them fastest, and threads
+        # waiting on each other stall badly on a loaded machine.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for round_ in range(1, self.config.sim.app.rounds + 1):
+                metrics = self._round(round_)
+                self.history.rounds.append(metrics)
+                if out_dir:
+                    self.write_metrics(out_dir)
+                self.history.notify(metrics)
+        finally:
+            torch.set_num_threads(threads)
+            if out_dir and self.history.rounds:
+                self.write_outputs(out_dir)
+        return self.history
+
+    def _round(self, round_: int) -> RoundMetrics:
+        links = self.driver.links
+        before = {i: (link.up_bytes, link.down_bytes) for i, link in links.items()}
+        started = time.perf_counter()
+        record = self.driver.round(round_)
+        self.driver.history.rounds.append(record)
+        wall_s = time.perf_counter() - started
+        cut_up = sum(link.up_bytes - before[i][0] for i, link in links.items())
+        cut_down = sum(link.down_bytes - before[i][1] for i, link in links.items())
+        taking_part = sum(p.mode != "none" for p in self.plans)
+        return RoundMetrics(
+            round=round_,
+            accuracy=record.accuracy,
+            loss=record.loss,
+            clients_sampled=taking_part,
+            clients_replied=taking_part,
+            bytes_down=record.model_bytes_down + cut_down,
+            bytes_up=record.update_bytes + cut_up,
+            wall_s=wall_s,
+            extra={
+                "sim_time_s": record.round_s,
+                "sim_clock_s": record.clock_s,
+                "train_loss": record.train_loss,
+                "cut_bytes": record.cut_bytes,
+                "cut_dense_bytes": record.cut_dense_bytes,
+                "label_bytes": record.label_bytes,
+                "update_bytes": record.update_bytes,
+                "model_bytes_down": record.model_bytes_down,
+                "split_steps": record.split_steps,
+            },
+        )
+
+    def metrics_json(self) -> dict[str, Any]:
+        """``metrics.json``: the history, the fleet's plan, and who trained how in each round."""
+        payload = self.history.to_json()
+        full = [i for i, p in enumerate(self.plans) if p.mode == "full"]
+        split: dict[str, list[int]] = {}
+        for i, plan in enumerate(self.plans):
+            if plan.mode == "split":
+                split.setdefault(str(plan.cut), []).append(i)
+        for row in payload["rounds"]:  # the plan holds for the whole run; every round says who trained how
+            row["full_clients"] = full
+            row["split_clients"] = split
+        return {**payload, "fleet": self.fleet_json(), "memory": self.memory}
+
+    def write_metrics(self, out_dir: str | Path) -> Path:
+        """Write ``metrics.json`` (atomically) and return its path."""
+        path = Path(out_dir) / "metrics.json"
+        write_json_atomic(path, self.metrics_json())
+        return path
+
+    def write_outputs(self, out_dir: str | Path) -> None:
+        """``metrics.json`` and the PNG plots: accuracy per round, per simulated hour, per uploaded MB."""
+        out = Path(out_dir)
+        self.write_metrics(out)
+        rounds = self.history.to_json()["rounds"]
+        plot_accuracy(rounds, out / "accuracy.png", title="Test accuracy (split training)")
+        plot_accuracy_vs_time({"split": rounds}, out / "accuracy_vs_time.png")
+        plot_accuracy_vs_upload({"split": rounds}, out / "accuracy_vs_upload.png")
+        log.info("wrote metrics.json and plots to %s", out)
+
+
+def plan_table(run: SplitSimulationRun) -> Table:
+    """Who trains what: clients per device class, mode and cut, with the training memory each needs."""
+    table = Table(title="fleet plan (by device memory)")
+    for name in ("device", "clients", "mode", "cut", "needs MiB", "has MiB"):
+        table.add_column(name, justify="right")
+    groups: dict[tuple[str, str, int], tuple[int, ClientPlan]] = {}
+    for profile, plan in zip(run.profiles, run.plans, strict=True):
+        key = (profile.name, plan.mode, plan.cut or 0)
+        groups[key] = (groups.get(key, (0, plan))[0] + 1, plan)
+    for (device, mode, cut), (count, plan) in sorted(groups.items()):
+        table.add_row(
+            device,
+            str(count),
+            mode,
+            str(cut) if cut else "-",
+            f"{plan.required_bytes / 2**20:.2f}" if mode != "none" else "-",
+            f"{plan.device_bytes / 2**20:.2f}",
+        )
+    return table
+
+
+def split_summary_table(history: RunHistory, title: str = "fedge simulate --split") -> Table:
+    """Per-round accuracy, loss, traffic and simulated time, with totals."""
+    table = Table(title=title)
+    for name in ("round", "accuracy", "loss", "cut MB", "up MB", "down MB", "sim s", "wall s"):
+        table.add_column(name, justify="right")
+    for r in history.rounds:
+        table.add_row(
+            str(r.round),
+            f"{100 * r.accuracy:.2f}%",
+            f"{r.loss:.4f}",
+            f"{r.extra['cut_bytes'] / 1e6:.2f}",
+            f"{r.bytes_up / 1e6:.2f}",
+            f"{r.bytes_down / 1e6:.2f}",
+            f"{r.extra['sim_time_s']:.1f}",
+            f"{r.wall_s:.2f}",
+        )
+    if history.rounds:
+        table.add_section()
+        table.add_row(
+            "total",
+            f"{100 * history.rounds[-1].accuracy:.2f}%",
+            "",
+            f"{sum(r.extra['cut_bytes'] for r in history.rounds) / 1e6:.2f}",
+            f"{sum(r.bytes_up for r in history.rounds) / 1e6:.2f}",
+            f"{sum(r.bytes_down for r in history.rounds) / 1e6:.2f}",
+            f"{history.rounds[-1].extra['sim_clock_s']:.1f}",
+            f"{sum(r.wall_s for r in history.rounds):.2f}",
+        )
+    return table

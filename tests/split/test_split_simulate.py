@@ -1,0 +1,92 @@
+"""``fedge simulate --split``: a small run through the CLI, its metrics.json and plots, and bad configs that
+end in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fedge.cli import app
+from fedge.split import SPARSE_NONZERO
+
+runner = CliRunner()
+
+TINY_CLASS = """
+[fleet.classes.tiny]
+compute = {{flops_per_s = 1e8, memory_bytes = {memory}, encode_bytes_per_s = 1e7, decode_bytes_per_s = 1e7}}
+link = {{uplink_bytes_per_s = 1e5, downlink_bytes_per_s = 1e5}}
+"""
+
+
+def test_split_run_writes_metrics_and_plots(tmp_path):
+    config = tmp_path / "split.toml"
+    config.write_text(
+        "clients = 4\nlocal_epochs = 1\n"
+        "[fleet]\nmix = {pi4_wifi = 0.5, mcu_wifi = 0.5}\n"
+        f'[split]\nvariant = "v1"\nactivation_codec = "{SPARSE_NONZERO}"\n'
+        f'gradient_codec = "{SPARSE_NONZERO}"\n'
+    )
+    out = tmp_path / "run"
+    result = runner.invoke(
+        app, ["simulate", "--split", "--config", str(config), "--rounds", "2", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "fedge simulate --split" in result.output and "fleet plan" in result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["config"]["split"]["variant"] == "v1" and metrics["config"]["rounds"] == 2
+    fleet = metrics["fleet"]
+    small = [c["client"] for c in fleet if c["device"] == "mcu_wifi"]
+    assert len(small) == 2 and all(
+        c["mode"] == "split" and c["cut"] == 2 for c in fleet if c["client"] in small
+    )
+    assert all(c["mode"] == "full" for c in fleet if c["client"] not in small)
+    assert metrics["memory"]["front@2"] < metrics["memory"]["full"]
+    rounds = metrics["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert 0.0 < r["accuracy"] <= 1.0
+        assert r["split_clients"] == {"2": small}
+        assert sorted(r["full_clients"] + small) == [0, 1, 2, 3]
+        assert r["bytes_up"] > r["update_bytes"] > 0 and r["bytes_down"] > 0
+        assert 0 < r["cut_bytes"] < r["cut_dense_bytes"]  # the nonzeros, int8
+        assert r["sim_time_s"] > 0 and r["split_steps"] > 0
+    assert rounds[1]["sim_clock_s"] == pytest.approx(rounds[0]["sim_time_s"] + rounds[1]["sim_time_s"])
+    assert rounds[1]["accuracy"] > 0.5  # it learns
+    for plot in ("accuracy.png", "accuracy_vs_time.png", "accuracy_vs_upload.png"):
+        assert (out / plot).stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "toml", "needle"),
+    [
+        (["--split"], '[split]\nvariant = "v3"\n', "split.variant must be one of"),
+        (["--split"], "[split]\nactivation_codec = 'nope'\n", "nope"),
+        (["--split"], "[split]\ncuts = [9]\n", "split.cuts: cut 9 leaves no server-side layers"),
+        (["--split"], "[split]\nbatch = 3\n", "unknown key 'split.batch'"),
+        (["--split"], 'codec = "int8"\n', "codec is not used by split training"),
+        (["--split", "--engine", "ray"], "", "engine 'ray' does not run split training"),
+        ([], "[split]\n", "the [split] table configures split training: add --split"),
+        (
+            ["--split"],
+            "[fleet]\nmix = {tiny = 1}\n" + TINY_CLASS.format(memory=1000),
+            "no client can train",
+        ),
+        (
+            ["--split"],
+            "[fleet]\nmix = {mcu_wifi = 1, tiny = 1}\n"
+            + TINY_CLASS.format(memory=300_000)
+            + '[split]\nparallel = false\ncut_policy = "least_traffic"\n',
+            "hands one front stage from client to client",
+        ),
+    ],
+)
+def test_bad_split_config_is_one_line(tmp_path, args, toml, needle):
+    config = tmp_path / "bad.toml"
+    config.write_text("clients = 4\nrounds = 1\n" + toml)
+    result = runner.invoke(app, ["simulate", *args, "--config", str(config), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "metrics.json").exists()
