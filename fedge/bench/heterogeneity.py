@@ -29,6 +29,8 @@ import numpy as np
 
 from fedge.app.config import AppConfig
 from fedge.bench._common import emit, parse_args, timed
+from fedge.bench._heterogeneity_large import compare_large
+from fedge.bench._scale import measure_scale
 from fedge.devices.fleet import FleetConfig
 from fedge.simulation.clock_grid import Schedule
 from fedge.simulation.config import SimulationConfig
@@ -131,6 +133,19 @@ def main() -> None:
             "max_fraction_available": max(fractions),
         },
     }
+    # Scale: 1,000 clients, 100 a round, on the local engine (in a child process, so that its memory is
+    # the run's alone); --quick runs 5 of the 100 rounds.
+    scale = measure_scale(clients=1000, rounds=5 if args.quick else 100, fraction=0.1)
+    result["scale"] = scale
+    result["headline"].update(
+        clients_1000_wall_s=scale["wall_s"],
+        clients_1000_peak_rss_mb=scale["peak_rss_mb"],
+        clients_1000_rounds=scale["rounds_run"],
+    )
+    if not args.quick:  # the comparison again at fleet scale, on a generated task large enough for it
+        large = compare_large(_runs, MIX)
+        result["large"] = {key: value for key, value in large.items() if key != "headline"}
+        result["headline"].update(large["headline"])
     emit(result, as_json=args.json, title="time to accuracy on a heterogeneous fleet (simulated)", rows=rows)
 
 
