@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -35,8 +36,10 @@ STRATEGIES = (
     "sparse-median",
     "sparse-trimmed-mean",
     "sparse-clipped-mean",
+    "fedbuff",
 )
-"""``AppConfig.strategy`` values; ``sparse-*`` aggregate compressed updates (:mod:`fedge.server.robust`)."""
+"""``AppConfig.strategy`` values; ``sparse-*`` aggregate compressed updates (:mod:`fedge.server.robust`),
+``fedbuff`` trains asynchronously (:mod:`fedge.server.async_runner`)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,16 @@ class AppConfig:
         (:class:`fedge.server.DecodingStrategy`) with ``codec`` -- sparse codecs starve them.
         ``sparse-median``, ``sparse-trimmed-mean``, ``sparse-clipped-mean``: robust rules over the clients
         that sent each coordinate, with norm clipping (:class:`fedge.server.RobustStreamingFedAvg`); need
-        ``codec``.
+        ``codec``. ``fedbuff``: buffered asynchronous aggregation (FedBuff, :mod:`fedge.server.fedbuff`):
+        ``concurrency`` clients train at once and every ``buffer_size`` replies make one server step with
+        staleness weights; each step is a round (``rounds`` of them), dense or with ``codec``, with any
+        ``server_optimizer``.
+    buffer_size : int (default: 10)
+        ``fedbuff``: replies per aggregation (K), >= 1.
+    concurrency : int (default: 20)
+        ``fedbuff``: clients training at once (C), >= ``buffer_size``.
+    staleness_exponent : float (default: 0.5)
+        ``fedbuff``: an update ``τ`` versions old weighs ``(1 + τ)^-staleness_exponent``, >= 0.
     attack : str (default: "")
         Simulated model poisoning by a fraction of the clients (:mod:`fedge.app.attacks`): ``sign-flip``,
         ``scale`` (×10) or ``noise``; empty: every client is honest.
@@ -147,6 +159,9 @@ class AppConfig:
     target_accuracy: float = 0.0
     upload_budget: dict[str, Any] = field(default_factory=dict)
     strategy: str = "fedavg"
+    buffer_size: int = 10
+    concurrency: int = 20
+    staleness_exponent: float = 0.5
     attack: str = ""
     attackers: float = 0.2
     export_every: int | None = None
@@ -207,6 +222,16 @@ class AppConfig:
                 f"strategy {self.strategy!r} aggregates compressed updates: set compress (e.g. 'strong') "
                 f"or codec, or use strategy {plain!r} for dense updates"
             )
+        fedbuff = {"buffer_size": 10, "concurrency": 20, "staleness_exponent": 0.5}
+        if self.strategy != "fedbuff" and any(getattr(self, k) != v for k, v in fedbuff.items()):
+            raise ConfigError("buffer_size, concurrency and staleness_exponent need strategy 'fedbuff'")
+        if self.buffer_size < 1 or self.concurrency < self.buffer_size:
+            raise ConfigError(
+                f"fedbuff needs buffer_size >= 1 and concurrency >= buffer_size; got {self.buffer_size}, "
+                f"{self.concurrency}"
+            )
+        if not (math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
+            raise ConfigError(f"staleness_exponent must be >= 0, got {self.staleness_exponent}")
         if self.attack and self.attack not in ATTACKS:
             raise ConfigError(f"unknown attack {self.attack!r}; choose one of: {', '.join(ATTACKS)}")
         if not 0.0 <= self.attackers <= 1.0:
@@ -228,6 +253,8 @@ class AppConfig:
             "server_lr": self.server_lr != 1.0,
             "ef_momentum": self.ef_momentum != 0.0,
         }
+        if self.strategy == "fedbuff":  # its server step works on dense deltas too
+            dense_only.pop("server_optimizer"), dense_only.pop("server_lr")
         needing_codec = [key for key, set_ in dense_only.items() if set_]
         if needing_codec and not self.codec:
             raise ConfigError(f"{needing_codec[0]} needs codec (use codec 'fp32' for uncompressed updates)")

@@ -26,6 +26,7 @@ from fedge.server import (
     DecodingStrategy,
     DenseFedAvg,
     DownlinkConfig,
+    FedBuffStrategy,
     ReplyScreen,
     RobustConfig,
     RobustStreamingFedAvg,
@@ -93,7 +94,8 @@ def build_strategy(config: AppConfig) -> Strategy:
     Dense FedAvg (Flower's rule, :class:`DenseFedAvg`) unless ``config.codec`` asks for compressed
     updates, then :class:`StreamingFedAvg` with the configured downloads, server optimizer and screening.
     ``config.strategy`` swaps the rule: Flower's FedMedian / FedTrimmedAvg (wrapped in
-    :class:`DecodingStrategy` with a codec), or :class:`RobustStreamingFedAvg`'s sparse-aware rules.
+    :class:`DecodingStrategy` with a codec), or :class:`RobustStreamingFedAvg`'s sparse-aware rules;
+    ``fedbuff`` trains asynchronously (:class:`FedBuffStrategy`, dense or compressed).
     """
     sampling = {
         "fraction_train": config.fraction_train,
@@ -106,20 +108,13 @@ def build_strategy(config: AppConfig) -> Strategy:
         "sparse-trimmed-mean": "trimmed-mean",
         "sparse-clipped-mean": "mean",
     }
+    if config.strategy == "fedbuff":
+        return _fedbuff(config)
     rule = {"median": FedMedian, "trimmed-mean": FedTrimmedAvg}.get(config.strategy, DenseFedAvg)
     flower = rule(**sampling)
     if not config.codec:
         return flower
-    downlink = None
-    if config.downlink_codec:
-        downlink = DownlinkConfig(codec=config.downlink_codec, full_model=config.full_model_codec)
-    compression = CompressionConfig(
-        codec=config.codec,
-        ef_momentum=config.ef_momentum,
-        downlink=downlink,
-        screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio),
-        budget=from_table(UploadBudget, config.upload_budget) if config.upload_budget else None,
-    )
+    compression = _compression(config)
     optimizer = ServerOptimizer(
         config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum
     )
@@ -132,6 +127,36 @@ def build_strategy(config: AppConfig) -> Strategy:
             compression, optimizer, RobustConfig(rule=robust_rules[config.strategy]), **sampling
         )
     return StreamingFedAvg(compression, optimizer, **sampling)
+
+
+def _compression(config: AppConfig) -> CompressionConfig:
+    """The uplink codec, downloads, screening and budget ``config`` asks for (it has a codec)."""
+    downlink = None
+    if config.downlink_codec:
+        downlink = DownlinkConfig(codec=config.downlink_codec, full_model=config.full_model_codec)
+    return CompressionConfig(
+        codec=config.codec,
+        ef_momentum=config.ef_momentum,
+        downlink=downlink,
+        screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio),
+        budget=from_table(UploadBudget, config.upload_budget) if config.upload_budget else None,
+    )
+
+
+def _fedbuff(config: AppConfig) -> FedBuffStrategy:
+    """FedBuff with the configured buffer, concurrency, staleness weight, server step and codec."""
+    if config.fraction_train != 1.0:
+        log.warning("strategy fedbuff: fraction_train does not apply (concurrency sets who trains)")
+    optimizer = ServerOptimizer(
+        config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum
+    )
+    return FedBuffStrategy(
+        _compression(config) if config.codec else None,
+        optimizer,
+        buffer_size=config.buffer_size,
+        concurrency=config.concurrency,
+        staleness_exponent=config.staleness_exponent,
+    )
 
 
 def federated_run(

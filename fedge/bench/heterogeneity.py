@@ -61,6 +61,12 @@ def _runs(available: float) -> dict[str, tuple[dict[str, Any], Schedule]]:
             {"fraction_train": min(1.0, 1.3 * aware), **compressed},
             Schedule(availability_aware=True, over_select=1.3, **adaptive),
         ),
+        # Buffered asynchronous (FedBuff): 2 × SAMPLED clients of those available train at once, every
+        # SAMPLED arrivals make one staleness-weighted step (a "round"); same codecs as fedge.
+        "fedbuff": (
+            {"strategy": "fedbuff", "buffer_size": SAMPLED, "concurrency": 2 * SAMPLED, **compressed},
+            Schedule(availability_aware=True),
+        ),
     }
 
 

@@ -63,7 +63,8 @@ def simulate(
     strategy: str | None = typer.Option(
         None,
         help="Aggregation: fedavg, median, trimmed-mean (Flower's), or with --codec sparse-median, "
-        "sparse-trimmed-mean, sparse-clipped-mean (robust over the clients that sent) [default: fedavg].",
+        "sparse-trimmed-mean, sparse-clipped-mean (robust over the clients that sent), or fedbuff "
+        "(asynchronous; buffer_size, concurrency, staleness_exponent in the TOML) [default: fedavg].",
     ),
     attack: str | None = typer.Option(
         None, help="Simulated poisoning clients: sign-flip, scale (x10) or noise [default: none]."

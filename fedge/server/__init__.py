@@ -1,10 +1,12 @@
 """Coordinator side: strategies, aggregation, checkpoints, the coordinator service."""
 
+from fedge.server.async_runner import FedBuffStrategy
 from fedge.server.budget import UploadBudget
 from fedge.server.channel import CompressedChannel, CompressionConfig, RoundReport
 from fedge.server.decoding import DecodingStrategy
 from fedge.server.downlink import DownlinkConfig, ModelBroadcast
 from fedge.server.fedavg import DenseFedAvg
+from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer
 from fedge.server.robust import RobustConfig, RobustStreamingFedAvg
 from fedge.server.schedule import Schedule
@@ -18,6 +20,8 @@ __all__ = [
     "DecodingStrategy",
     "DenseFedAvg",
     "DownlinkConfig",
+    "FedBuff",
+    "FedBuffStrategy",
     "ModelBroadcast",
     "ReplyScreen",
     "RobustConfig",

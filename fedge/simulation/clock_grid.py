@@ -14,25 +14,35 @@ late replies, so error feedback sees a lost update as one.
 Sampling sees the fleet too: with ``availability_aware`` only clients available now are offered to the
 strategy (and the clock skips ahead when nobody is), with ``memory_aware`` only clients whose memory holds
 training. Identical seeds give identical simulated times.
+
+Asynchronous strategies (FedBuff, :mod:`fedge.server.async_runner`) use ``push_messages`` and
+``pull_messages`` instead of rounds, and the same Grid puts them on the clock: train messages pushed start
+at the clock's ``now_s`` (an instruction to a client that is away waits, as the broker's session holds
+it, until the client is back), and each pull returns the earliest reply still to arrive, moving the clock
+to its arrival. A client cut off by its availability answers, at the moment it goes away, with an error
+reply: its work is lost. ``take_round`` then reports the time since the previous one.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from flwr.app import Message, MessageType
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedge.devices.clock import ClientTiming, select_replies, time_client
 from fedge.devices.fleet import ClientProfile, LinkProfile
 from fedge.devices.traces import AvailabilityTrace
-from fedge.flower.compat import Run
+from fedge.flower.compat import Run, set_message_id
 from fedge.flower.grid import RunGrid
+from fedge.flower.node import error_reply
 from fedge.protocol.envelope import wire_size
 from fedge.server.schedule import Schedule
 
@@ -95,6 +105,10 @@ class ClockGrid(RunGrid):
         self._delays: list[float] = []  # arrival delays of recent accepted replies, for the adaptive deadline
         self._report = _Round()
         self._sizes: dict[str, list[int]] = {}  # instruction id -> [down bytes, up bytes]
+        self._queued: dict[str, tuple[float, int, Message, dict[str, Any]]] = {}  # pushed id -> arrival
+        self._async_rows: list[dict[str, Any]] = []  # timeline of the replies pulled since the last take
+        self._taken_s = 0.0  # the clock at the last take_round
+        self._pushed = 0
         if isinstance(inner, RunGrid):
             inner.on_wire = self._on_inner_wire
         self._reports_bytes = isinstance(inner, RunGrid)
@@ -112,17 +126,35 @@ class ClockGrid(RunGrid):
         nodes = [n for n in self._inner.get_node_ids() if self._fits(n)]
         if self.schedule.availability_aware and self._trace is not None:
             available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
-            if not available and nodes:  # nobody is there now: the coordinator waits for the first
+            if not available and nodes and not self._queued:  # nobody is there: wait for the first
                 self.now_s = min(self._trace.next_available(self._client_of[n], self.now_s) for n in nodes)
                 available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
             nodes = available
         return nodes
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._inner.push_messages(messages)
+        """Train messages start on the clock at ``now_s`` (see the module docstring); others pass through."""
+        messages = list(messages)
+        if not messages or messages[0].metadata.message_type != MessageType.TRAIN:
+            return self._inner.push_messages(messages)
+        try:
+            return self._start_clocked(messages)
+        finally:
+            self._sizes.clear()
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._inner.pull_messages(message_ids)
+        """The earliest reply still to arrive among ``message_ids`` (the clock moves to its arrival), and
+        whatever the inner Grid has of the others."""
+        message_ids = list(message_ids)
+        clocked = [i for i in message_ids if i in self._queued]
+        others = [i for i in message_ids if i not in self._queued]
+        replies = list(self._inner.pull_messages(others)) if others else []
+        if clocked:
+            arrival, _, reply, row = self._queued.pop(min(clocked, key=lambda i: self._queued[i][:2]))
+            self.now_s = max(self.now_s, arrival)
+            self._async_rows.append(row)
+            replies.append(reply)
+        return replies
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -143,6 +175,10 @@ class ClockGrid(RunGrid):
     def take_round(self) -> dict[str, Any]:
         """The last round's simulated time and timeline (for the round's metrics), then reset."""
         report, self._report = self._report, _Round()
+        if self._async_rows:  # asynchronous: the time since the previous take, the replies pulled in it
+            report = _Round(self.now_s - self._taken_s, self._async_rows + report.timeline)
+            self._async_rows = []
+        self._taken_s = self.now_s
         return {"sim_time_s": report.sim_time_s, "sim_clock_s": self.now_s, "timeline": report.timeline}
 
     # -- the clock -------------------------------------------------------------------------------------
@@ -192,6 +228,55 @@ class ClockGrid(RunGrid):
             self._report.timeline.append({"client": client, "status": "error"})
         return [answered[n] for n in outcome.accepted] + failed
 
+    def _start_clocked(self, messages: list[Message]) -> list[str]:
+        """Run ``messages`` now (really), queue each reply at its simulated arrival; return their ids."""
+        self._round += 1  # seeds this dispatch's disconnect draws
+        start, starts, waiting = self.now_s, {}, []
+        for message in messages:
+            client = self._client_of[message.metadata.dst_node_id]
+            begin = self._trace.next_available(client, start) if self._trace is not None else start
+            (waiting.append(message) if math.isinf(begin) else starts.setdefault(id(message), begin))
+        running = [m for m in messages if id(m) in starts]
+        replies = list(self._inner.send_and_receive(running)) if running else []
+        by_id = {m.metadata.message_id: m for m in running}
+        for reply in replies:
+            instruction = by_id.pop(reply.metadata.reply_to_message_id, None)
+            if instruction is None:
+                continue
+            client = self._client_of[instruction.metadata.dst_node_id]
+            begin = starts[id(instruction)]
+            if reply.has_error():
+                self._queue(instruction, reply, begin, {"client": client, "status": "error"})
+                continue
+            down, up = self._message_sizes(instruction, reply)
+            away = self._trace.available_until(client, begin) if self._trace is not None else math.inf
+            timing = time_client(
+                self._profiles[client],
+                start_s=begin,
+                download_bytes=down,
+                train_flops=self._train_flops(instruction, reply),
+                upload_bytes=up,
+                model_bytes=self._model_bytes,
+                away_s=away,
+                seed=(self._seed, self._round, client),
+            )
+            row = _row(client, self._profiles, timing, "cut_off" if timing.cut_off else "accepted")
+            if timing.cut_off:  # the coordinator learns it when the client goes away; the work is lost
+                reason = f"client {client} went away at {timing.away_s:.1f} s ({timing.cut_off_phase})"
+                self._queue(instruction, _lost(instruction, reason), max(timing.away_s, begin), row)
+            else:
+                self._queue(instruction, reply, timing.arrival_s, row)
+        for instruction in [*by_id.values(), *waiting]:  # no reply at all, or never available
+            if not instruction.metadata.message_id:  # never sent to the inner Grid
+                set_message_id(instruction, uuid.uuid4().hex)
+            row = {"client": self._client_of[instruction.metadata.dst_node_id], "status": "error"}
+            self._queue(instruction, _lost(instruction, "no reply"), start, row)
+        return [m.metadata.message_id for m in messages]
+
+    def _queue(self, instruction: Message, reply: Message, arrival_s: float, row: dict[str, Any]) -> None:
+        self._pushed += 1  # ties in arrival go in push order
+        self._queued[instruction.metadata.message_id] = (arrival_s, self._pushed, reply, row)
+
     def _deadline(self) -> float | None:
         schedule = self.schedule
         if not schedule.adaptive_deadline or not self._delays:
@@ -216,7 +301,17 @@ class ClockGrid(RunGrid):
         if self._reports_bytes:
             down, up = self._sizes.get(instruction.metadata.message_id, [0, 0])
             return down, up
-        return wire_size(instruction), wire_size(reply)
+        down, up = wire_size(instruction), wire_size(reply)  # e.g. Ray's Grid: measured here, and passed on
+        self._report_wire(instruction, down)
+        self._report_wire(reply, up)
+        return down, up
+
+
+def _lost(instruction: Message, reason: str) -> Message:
+    """The error reply standing for work that never arrives."""
+    reply = error_reply(instruction, ErrorCode.NODE_UNAVAILABLE, reason)
+    set_message_id(reply, uuid.uuid4().hex)
+    return reply
 
 
 def _row(client: int, profiles: Sequence[ClientProfile], timing: ClientTiming, status: str) -> dict[str, Any]:

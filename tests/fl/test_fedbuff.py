@@ -1,0 +1,162 @@
+"""FedBuff: the staleness-weighted buffer by hand, FedAvg as its synchronous case, asynchronous runs on a
+simulated fleet (fast clients count more often, reproducible, a client cut off loses its work)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from fedge.app.client_app import app as client_app
+from fedge.app.config import AppConfig
+from fedge.app.server_app import run_federated
+from fedge.config import ConfigError
+from fedge.devices.fleet import FleetConfig, assign_fleet
+from fedge.devices.traces import AvailabilityTrace
+from fedge.server import FedBuff, ServerOptimizer
+from fedge.simulation.clock_grid import ClockGrid, Schedule
+from fedge.simulation.config import SimulationConfig
+from fedge.simulation.engines import run_simulation
+from fedge.simulation.local_grid import LocalGrid
+
+MIXED = FleetConfig(mix={"jetson_nano_eth": 0.5, "nbiot_gateway": 0.5}, seed=1)
+
+
+def _fedbuff_app(**settings) -> AppConfig:
+    values = {"rounds": 8, "local_epochs": 1, "seed": 0, "strategy": "fedbuff", "buffer_size": 2}
+    return AppConfig(**{**values, "concurrency": 4, **settings})
+
+
+def _accepted_by_device(history) -> Counter:
+    return Counter(t["device"] for r in history.rounds for t in r.timeline if t["status"] == "accepted")
+
+
+def test_staleness_weights_and_the_buffer_by_hand():
+    state = FedBuff({"w": np.zeros(2)}, buffer_size=2, concurrency=3, staleness_exponent=1.0)
+    assert not state.add({"w": np.array([2.0, 0.0])}, base_version=0, num_examples=1)
+    assert state.add({"w": np.array([0.0, 4.0])}, base_version=0, num_examples=3)  # K = 2: full
+    # Fresh updates: (1·[2, 0] + 3·[0, 4]) / 4.
+    np.testing.assert_allclose(state.flush()["w"], [0.5, 3.0])
+    assert state.version == 1 and state.last_staleness == [0, 0]
+    assert state.weight(0) == 0.5  # τ = 1, (1 + 1)^-1
+    state.add({"w": np.array([4.0, 4.0])}, base_version=0)  # stale: counts half
+    state.add({"w": np.array([2.0, 2.0])}, base_version=1)
+    # (0.5·[4, 4] + 1·[2, 2]) / (1 + 1): normalised by the examples, so staleness shrinks the step.
+    np.testing.assert_allclose(state.flush()["w"], [2.5, 5.0])
+    assert state.last_staleness == [1, 0]
+    with pytest.raises(ValueError):
+        state.add({"w": np.zeros(2)}, base_version=3)  # from a version not reached yet
+
+
+def test_the_paper_weight_server_learning_rate_statistics_and_an_empty_flush():
+    model = {"w": np.ones(2), "bn.running_mean": np.zeros(2)}
+    state = FedBuff(model, buffer_size=1, concurrency=1, server_lr=0.5, averaged={"bn.running_mean"})
+    state.flush()  # nothing buffered: the model stays, the version counts the aggregation
+    assert state.version == 1 and state.weight(0) == pytest.approx(2**-0.5)
+    state.add({"w": np.full(2, 4.0), "bn.running_mean": np.full(2, 4.0)}, base_version=0)
+    flushed = state.flush()  # τ = 1: 4 · 2^-0.5, times η = 0.5 for parameters, plainly for statistics
+    np.testing.assert_allclose(flushed["w"], 1 + 0.5 * 4 * 2**-0.5, rtol=1e-6)
+    np.testing.assert_allclose(flushed["bn.running_mean"], 4 * 2**-0.5, rtol=1e-6)
+    momentum = FedBuff({"w": np.zeros(1)}, buffer_size=1, concurrency=1, optimizer=ServerOptimizer("avgm"))
+    momentum.add({"w": np.ones(1)}, 0)
+    momentum.flush()  # v = 1, x = 1
+    momentum.add({"w": np.ones(1)}, 1)
+    np.testing.assert_allclose(momentum.flush()["w"], [1 + 1.9])  # v = 0.9·1 + 1
+
+
+def test_without_staleness_a_full_buffer_is_fedavgs_weighted_average():
+    rng = np.random.default_rng(0)
+    model = {"a": rng.normal(size=(3, 2)), "b": rng.normal(size=4)}
+    clients = [{k: v + rng.normal(size=v.shape) for k, v in model.items()} for _ in range(3)]
+    examples = [5, 1, 2]
+    state = FedBuff(model, buffer_size=3, concurrency=3)
+    for client, n in zip(clients, examples, strict=True):
+        state.add({k: client[k] - model[k] for k in model}, base_version=0, num_examples=n)
+    flushed = state.flush()
+    for name in model:
+        average = sum(n * c[name] for c, n in zip(clients, examples, strict=True)) / sum(examples)
+        np.testing.assert_allclose(flushed[name], average, rtol=1e-5, atol=1e-6)
+
+
+def test_with_k_equal_to_c_equal_to_the_clients_a_run_is_fedavg():
+    runs = {}
+    for strategy, settings in (("fedavg", {}), ("fedbuff", {"buffer_size": 4, "concurrency": 4})):
+        app = AppConfig(rounds=2, local_epochs=1, seed=0, strategy=strategy, **settings)
+        runs[strategy] = run_simulation(SimulationConfig(clients=4, workers=1, app=app)).rounds
+    assert [r.accuracy for r in runs["fedbuff"]] == [r.accuracy for r in runs["fedavg"]]
+    np.testing.assert_allclose([r.loss for r in runs["fedbuff"]], [r.loss for r in runs["fedavg"]], rtol=1e-5)
+    assert [r.extra["staleness_max"] for r in runs["fedbuff"]] == [0, 0]
+    assert all(r.clients_replied == r.extra["accepted"] == 4 for r in runs["fedbuff"])
+
+
+def test_with_fewer_clients_than_k_the_buffer_is_aggregated_once_every_client_is_in_it():
+    app = AppConfig(rounds=2, local_epochs=1, seed=0, strategy="fedbuff", buffer_size=4, concurrency=4)
+    rounds = run_simulation(SimulationConfig(clients=3, workers=1, app=app)).rounds  # real time
+    assert [(r.extra["accepted"], r.clients_sampled) for r in rounds] == [(3, 3), (3, 3)]
+
+
+def test_on_a_mixed_fleet_fast_clients_count_more_often_and_the_model_improves():
+    history = run_simulation(SimulationConfig(clients=6, workers=1, app=_fedbuff_app(), fleet=MIXED))
+    counts = _accepted_by_device(history)
+    assert counts["jetson_nano_eth"] >= 2 * counts["nbiot_gateway"] > 0  # 3 clients of each
+    assert history.rounds[-1].accuracy > history.initial_accuracy + 0.2
+    clock = [r.extra["sim_clock_s"] for r in history.rounds]
+    assert clock == sorted(clock) and all(r.extra["sim_time_s"] >= 0 for r in history.rounds)
+    assert all(r.extra["accepted"] == 2 for r in history.rounds)  # K replies per aggregation
+    assert max(r.extra["staleness_max"] for r in history.rounds) > 0  # C > K: some updates are stale
+
+
+def test_identical_seeds_give_identical_metrics_and_simulated_times_compressed():
+    app = _fedbuff_app(rounds=5, codec="topk:0.1+int8", downlink_codec="topk:0.1+int8")
+    config = SimulationConfig(
+        clients=8,
+        workers=1,
+        app=app,
+        fleet=MIXED,
+        availability="random",
+        schedule=Schedule(availability_aware=True),
+    )
+    first, second = run_simulation(config), run_simulation(config)
+
+    def figures(history):
+        return [
+            (r.accuracy, r.loss, r.extra["sim_time_s"], r.extra["sim_clock_s"], r.timeline)
+            for r in history.rounds
+        ]
+
+    assert figures(first) == figures(second)
+    assert first.rounds[-1].extra["sim_clock_s"] > 0 and first.rounds[-1].accuracy > first.initial_accuracy
+    assert all(r.extra["accepted"] == 2 and r.extra["compression_ratio"] > 1 for r in first.rounds)
+
+
+def test_a_client_cut_off_by_its_availability_loses_its_work():
+    """Client 0 is there for the first 0.1 ms only: it is cut off mid-download, its slot goes to another."""
+    clients = 4
+    grid = LocalGrid(client_app, clients, workers=1)
+    client_of = {node: int(c.node_config["partition-id"]) for node, c in grid.contexts.items()}
+    period = 1e7
+    trace = AvailabilityTrace({0: [(0.0, 1e-4)], **{i: [(0.0, period)] for i in range(1, clients)}}, period)
+    profiles = assign_fleet(FleetConfig(mix={"jetson_nano_eth": 1.0}), clients)
+    clock = ClockGrid(grid, profiles, client_of, lambda i, r: 1e9, 4 * 300_000, trace=trace)
+    try:
+        history = run_federated(
+            clock, _fedbuff_app(rounds=3, concurrency=4, buffer_size=2), num_partitions=clients
+        )
+    finally:
+        grid.shutdown()
+    rows = [t for r in history.rounds for t in r.timeline]
+    assert [(t["client"], t["status"]) for t in rows if t["client"] == 0] == [(0, "cut_off")]
+    assert rows[0]["client"] == 0 and rows[0]["arrival_s"] > rows[0]["away_s"] == 1e-4
+    assert all(r.extra["accepted"] == 2 for r in history.rounds)  # the lost slot was refilled
+    assert history.rounds[0].clients_sampled == 5  # C = 4, then one replacement for the lost client
+
+
+def test_fedbuff_settings_are_checked_in_one_line():
+    with pytest.raises(ConfigError, match="need strategy 'fedbuff'"):
+        AppConfig(buffer_size=5)
+    with pytest.raises(ConfigError, match="concurrency >= buffer_size"):
+        AppConfig(strategy="fedbuff", buffer_size=10, concurrency=5)
+    with pytest.raises(ConfigError, match="staleness_exponent"):
+        AppConfig(strategy="fedbuff", staleness_exponent=-1.0)
+    assert AppConfig(strategy="fedbuff", server_lr=0.5).server_lr == 0.5  # dense FedBuff steps too
