@@ -90,6 +90,10 @@ class AppConfig:
         Momentum of ``avgm``.
     ef_momentum : float or None (default: None: the preset's, else 0.0)
         Deep Gradient Compression momentum correction of the clients' error feedback, in [0, 1).
+    ef_residual_cap : float (default: 0.0)
+        Clients scale their error-feedback residual to at most this multiple of their update's norm before
+        adding it (0: uncapped). Where clients train rarely (sampling, availability), 1.0 keeps stale
+        residuals from derailing training; needs ``codec``.
     max_norm_ratio : float (default: 5.0)
         Replies whose update norm exceeds this multiple of the round's median are rejected.
     max_failed_rounds : int (default: 3)
@@ -154,6 +158,7 @@ class AppConfig:
     server_lr: float | None = None
     server_momentum: float = 0.9
     ef_momentum: float | None = None
+    ef_residual_cap: float = 0.0
     max_norm_ratio: float = 5.0
     max_failed_rounds: int = 3
     target_accuracy: float = 0.0
@@ -252,6 +257,7 @@ class AppConfig:
             "server_optimizer": self.server_optimizer != "avg",
             "server_lr": self.server_lr != 1.0,
             "ef_momentum": self.ef_momentum != 0.0,
+            "ef_residual_cap": self.ef_residual_cap != 0.0,
         }
         if self.strategy == "fedbuff":  # its server step works on dense deltas too
             dense_only.pop("server_optimizer"), dense_only.pop("server_lr")
@@ -267,6 +273,7 @@ class AppConfig:
             (self.server_lr > 0.0, "server_lr must be > 0"),
             (0.0 <= self.server_momentum < 1.0, "server_momentum must be in [0, 1)"),
             (0.0 <= self.ef_momentum < 1.0, "ef_momentum must be in [0, 1)"),
+            (self.ef_residual_cap >= 0.0, "ef_residual_cap must be >= 0 (0: uncapped)"),
             (self.max_norm_ratio > 1.0, "max_norm_ratio must be > 1"),
         ]
         for ok, message in checks:

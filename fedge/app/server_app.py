@@ -137,6 +137,7 @@ def _compression(config: AppConfig) -> CompressionConfig:
     return CompressionConfig(
         codec=config.codec,
         ef_momentum=config.ef_momentum,
+        ef_residual_cap=config.ef_residual_cap or None,
         downlink=downlink,
         screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio),
         budget=from_table(UploadBudget, config.upload_budget) if config.upload_budget else None,

@@ -123,7 +123,11 @@ class CompressionMod:
             settle_pending(
                 context, instruction.counted, max_elements=self.max_elements, discarded=instruction.discarded
             )
-            feedback = ErrorFeedback(_codec(instruction.codec), momentum=instruction.ef_momentum)
+            feedback = ErrorFeedback(
+                _codec(instruction.codec),
+                momentum=instruction.ef_momentum,
+                residual_cap=instruction.ef_residual_cap,
+            )
             received, dtypes = self._received_model(msg, context, instruction)
         except (ProtocolError, CodecError) as err:
             log.warning("node %s: cannot use the train instruction: %s", context.node_id, err)

@@ -93,6 +93,9 @@ class Instruction:
         Version of the model the message carries.
     ef_momentum : float (default: 0.0)
         Error-feedback momentum, in [0, 1).
+    ef_residual_cap : float or None (default: None)
+        Cap of the error-feedback residual as a multiple of the update's norm (> 0); None: uncapped. Sent
+        only when set, so clients that predate it read instructions without it as before.
     arrays_key : str (default: "arrays")
         Key of the model's ArrayRecord for the client app.
     grid : str (default: "fp32")
@@ -115,6 +118,7 @@ class Instruction:
     codec: str
     version: int
     ef_momentum: float = 0.0
+    ef_residual_cap: float | None = None
     arrays_key: str = "arrays"
     grid: str = "fp32"
     base: int = FULL
@@ -139,6 +143,8 @@ class Instruction:
                 "grid": self.grid,
             }
         )
+        if self.ef_residual_cap is not None:
+            record["ef-residual-cap"] = self.ef_residual_cap
         if self.model is not None:
             record["base"] = self.base
             record["model"] = self.model
@@ -174,6 +180,10 @@ class Instruction:
             raise ProtocolError(f"instruction grid {fields['grid']!r} is not one of {GRIDS}")
         if not 0.0 <= fields["ef_momentum"] < 1.0:
             raise ProtocolError(f"instruction ef-momentum {fields['ef_momentum']} is not in [0, 1)")
+        if "ef-residual-cap" in record:
+            fields["ef_residual_cap"] = float(_field(record, "ef-residual-cap", float | int))
+            if not fields["ef_residual_cap"] > 0.0:  # also refuses NaN
+                raise ProtocolError(f"instruction ef-residual-cap {fields['ef_residual_cap']} is not > 0")
         if "model" in record:
             fields["model"] = _field(record, "model", bytes)
             fields["base"] = _field(record, "base", int)

@@ -85,6 +85,9 @@ class CompressionConfig:
         Uplink codec spec every client encodes its update with.
     ef_momentum : float (default: 0.0)
         Deep Gradient Compression momentum correction of the clients' error feedback, in [0, 1).
+    ef_residual_cap : float or None (default: None)
+        Clients scale their error-feedback residual to at most this multiple of the update's norm
+        (:class:`fedge.compression.ErrorFeedback`); None: uncapped. Recommended where clients train rarely.
     downlink : DownlinkConfig or None (default: None)
         Compressed downloads; None sends the global model as Flower does, a dense ArrayRecord.
     screen : ReplyScreen (default: ReplyScreen())
@@ -97,6 +100,7 @@ class CompressionConfig:
 
     codec: str = "topk:0.01+int8"
     ef_momentum: float = 0.0
+    ef_residual_cap: float | None = None
     downlink: DownlinkConfig | None = None
     screen: ReplyScreen = field(default_factory=ReplyScreen)
     budget: UploadBudget | None = None
@@ -105,6 +109,8 @@ class CompressionConfig:
         build_codec(self.codec)
         if not 0.0 <= self.ef_momentum < 1.0:
             raise CodecConfigError(f"ef_momentum must be in [0, 1), got {self.ef_momentum}")
+        if self.ef_residual_cap is not None and not self.ef_residual_cap > 0:
+            raise CodecConfigError(f"ef_residual_cap must be > 0, got {self.ef_residual_cap}")
 
 
 class CompressedChannel:
@@ -243,6 +249,7 @@ class CompressedChannel:
             codec=codec,
             version=version,
             ef_momentum=self.config.ef_momentum,
+            ef_residual_cap=self.config.ef_residual_cap,
             arrays_key=array_keys[0],
             grid=self.config.downlink.grid if self.config.downlink else "fp32",
             counted=counted,

@@ -7,6 +7,7 @@ import pytest
 
 from fedge.compression import ErrorFeedback, build_codec, decode, inspect_payload, position_bound_bits
 from fedge.compression.bits import Reader
+from fedge.compression.errors import CodecConfigError
 from fedge.compression.rice import decode_positions, encode_positions
 
 DRAWS = 2000
@@ -149,3 +150,36 @@ def test_rice_round_trips_clustered_and_extreme_positions() -> None:
         reader = Reader(memoryview(bytes(out)))
         np.testing.assert_array_equal(decode_positions(reader, positions.size, n), positions)
         assert reader.remaining == 0
+
+
+def _norm(arrays: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in arrays.values())))
+
+
+def test_error_feedback_residual_cap_bounds_the_residual_a_client_adds() -> None:
+    """A rarely-training client's residual is scaled to at most ``cap`` times its fresh update's norm."""
+    rng = np.random.default_rng(11)
+    codec = build_codec("topk:0.05;min=0")
+    capped, uncapped = ErrorFeedback(codec, residual_cap=1.0), ErrorFeedback(codec)
+    capped_state: dict[str, np.ndarray] = {}
+    uncapped_state: dict[str, np.ndarray] = {}
+    scales = []
+    for step in range(6):  # top-k 5 % holds back most of each update: the residual outgrows one update
+        update = {name: rng.standard_normal(n).astype(np.float32) for name, n in (("w", 400), ("b", 20))}
+        held = {k[len("ef/residual/") :]: v for k, v in capped_state.items()}
+        _, sent = capped.encode(update, capped_state, seed=step, return_sent=True)
+        # what went into the encoder: the update plus the residual, scaled down only if it was too large
+        scales.append(min(1.0, _norm(update) / _norm(held)) if held else 1.0)
+        for name in update:
+            added = held.get(name, np.zeros_like(update[name])) * scales[-1]
+            np.testing.assert_allclose(
+                sent[name] + capped_state[f"ef/residual/{name}"], update[name] + added, atol=1e-4
+            )
+        uncapped.encode(update, uncapped_state, seed=step)
+    assert _norm(uncapped_state) > 1.5 * _norm(update)  # uncapped, the residual kept growing
+    assert min(scales) < 1.0  # and the cap did act
+
+
+def test_error_feedback_residual_cap_must_be_positive() -> None:
+    with pytest.raises(CodecConfigError, match="residual_cap"):
+        ErrorFeedback(build_codec("topk:0.1"), residual_cap=0.0)

@@ -44,6 +44,8 @@ def test_dense_fedavg_stays_the_default():
         ({"codec": "fp32", "server_optimizer": "sgd"}, "server_optimizer must be one of"),
         ({"codec": "fp32", "full_model_codec": "int4"}, "full_model_codec must be one of"),
         ({"codec": "fp32", "max_norm_ratio": 0.5}, "max_norm_ratio must be > 1"),
+        ({"ef_residual_cap": 1.0}, "ef_residual_cap needs codec"),
+        ({"codec": "fp32", "ef_residual_cap": -1.0}, "ef_residual_cap must be >= 0"),
     ],
 )
 def test_bad_compression_settings_name_the_problem(values, message):

@@ -181,3 +181,23 @@ def test_arrays_keep_their_dtypes_through_float32():
         and arrays["counter"].dtype == np.float32
         and arrays["counter"][0] == 42
     )
+
+
+def test_the_instruction_can_cap_the_residual_and_the_mod_honours_it():
+    capped = Instruction(codec="topk:0.05+int8;min=0,patterns=", version=1, ef_residual_cap=0.5)
+    assert Instruction.from_record(capped.to_record()) == capped
+    assert "ef-residual-cap" not in Instruction(codec="fp32", version=1).to_record()  # old clients: as before
+    for bad in (0.0, -1.0, float("nan")):
+        record = capped.to_record()
+        record["ef-residual-cap"] = bad
+        with pytest.raises(ProtocolError, match="ef-residual-cap"):
+            Instruction.from_record(record)
+    mod, context, app = CompressionMod(), _context(), _App()
+    for version in (1, 2, 3, 4):
+        app.update = _random_update()
+        mod(_message(Instruction(**{**capped.__dict__, "version": version})), context, app)
+        residual = record_to_arrays(context.state[EF_STATE_KEY])[0]
+        fresh = np.sqrt(sum(float((u.astype(np.float64) ** 2).sum()) for u in app.update.values()))
+        # residual after = (update + capped residual) - sent: at most the update plus half its norm
+        held = np.sqrt(sum(float((r.astype(np.float64) ** 2).sum()) for r in residual.values()))
+        assert held <= 1.5 * fresh + 1e-3
