@@ -20,10 +20,11 @@ Capped residuals. The identity assumes the residual is still worth sending when 
 that trains one round in twenty (partial participation, devices that come and go) carries updates computed
 against a model twenty rounds old, and lost payloads handed back make the residual grow further: on a
 churning fleet, top-k with plain error feedback was seen to swing between 50 and 90 % accuracy and end at
-50 % where dense FedAvg converged to 96 % (``fedge bench heterogeneity``; capped, it converged like dense). With ``residual_cap = c`` the residual added to an
-update is scaled down so that ``‖e‖ ≤ c‖g_t‖`` (global L2 norms over all tensors): ``a_t = g_t + λe_{t-1}``,
-``λ = min(1, c‖g_t‖ / ‖e_{t-1}‖)``. What the scaling drops is given up for good, so the identity becomes
-``Σ s_t + e_T ≈ Σ g_t`` with the error bounded by the cap, and stale residual can never outweigh fresh work.
+50 % where dense FedAvg converged to 96 % (``fedge bench heterogeneity``; capped, it converged like dense).
+With ``residual_cap = c`` the residual added to an update is scaled down so that ``‖e‖ ≤ c‖g_t‖`` (global
+L2 norms over all tensors): ``a_t = g_t + λe_{t-1}``, ``λ = min(1, c‖g_t‖ / ‖e_{t-1}‖)``. What the
+scaling drops is given up for good, so the identity becomes ``Σ s_t + e_T ≈ Σ g_t`` with the error bounded
+by the cap, and stale residual can never outweigh fresh work.
 
 The state is a plain ``dict[str, np.ndarray]`` (residuals under ``"ef/residual/<name>"``, momentum
 under ``"ef/momentum/<name>"``, codec memory such as PowerSGD's warm start under its own keys), so a

@@ -7,7 +7,10 @@ computed from device profiles, on the local and Ray engines) and real time
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from fedge.config import ConfigError, check_types
 
@@ -24,8 +27,12 @@ class Schedule:
         Replies arriving later than this many seconds after the round starts are dropped (simulated seconds
         on the clock, real seconds over MQTT).
     adaptive_deadline : bool (default: False)
-        Set the deadline from recent rounds: ``deadline_slack`` times the ``deadline_quantile`` of the
-        arrival delays of the last rounds' replies (``deadline_s``, if given, is the first rounds' value).
+        Set the deadline from recent rounds (:meth:`next_deadline`): ``deadline_slack`` times the
+        ``deadline_quantile`` of the reply delays of the last rounds' sampled clients (``deadline_s``, if
+        given, is the first round's value). A reply still missing when its round ended counts at the
+        round's length, a lower bound: so a deadline that leaves more than ``1 - deadline_quantile`` of the
+        clients out grows by ``deadline_slack`` a round until it no longer does, instead of following only
+        the replies it let in (which shrank it round after round onto the fastest devices).
     deadline_quantile : float (default: 0.8)
         Which arrival delay of recent rounds the adaptive deadline follows, in (0, 1].
     deadline_slack : float (default: 1.5)
@@ -59,3 +66,17 @@ class Schedule:
             raise ConfigError("deadline_quantile must be in (0, 1] and deadline_slack >= 1")
         if self.over_select < 1:
             raise ConfigError(f"over_select must be >= 1, got {self.over_select}")
+
+    def next_deadline(self, delays: Sequence[float]) -> float | None:
+        """The deadline of the next round, seconds (None: none).
+
+        Parameters
+        ----------
+        delays : sequence of float
+            Recent rounds' reply delays, seconds from each round's start: the arrival of each reply that
+            came, the round's length for each one still missing when the round ended (a client that went
+            away is left out: its absence says nothing of its speed).
+        """
+        if not self.adaptive_deadline or not delays:
+            return self.deadline_s
+        return self.deadline_slack * float(np.quantile(delays, self.deadline_quantile))

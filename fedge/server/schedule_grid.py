@@ -5,8 +5,9 @@ and applies the schedule the simulated clock applies (:class:`fedge.simulation.c
 seconds measured on the coordinator's monotonic clock instead of computed:
 
 * **deadline**: a training round waits at most ``deadline_s`` real seconds (never longer than the runner's
-  round timeout); with ``adaptive_deadline``, ``deadline_slack`` times the ``deadline_quantile`` of the
-  arrival delays of recent rounds' aggregated replies (the clock's rule, on measured delays);
+  round timeout); with ``adaptive_deadline``, ``deadline_slack`` times the ``deadline_quantile`` of recent
+  rounds' reply delays, a reply still missing counting at its round's length (the clock's rule,
+  :meth:`Schedule.next_deadline`, on measured delays);
 * **over-selection**: the round returns as soon as the first ``ceil(sampled / over_select)`` updates arrived;
 * replies still outstanding when the round ends are **dropped and counted**: the inner Grid is told to stop
   awaiting them (``abandon(message_ids)``, where it has one) or they are drained and discarded at the next
@@ -31,7 +32,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
-import numpy as np
 from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
@@ -108,7 +108,7 @@ class ScheduledGrid(RunGrid):
         self._profiles, self._links = profiles, links
         self._clock, self._poll_s = clock, poll_s
         self._pause = pause or threading.Event().wait  # never set: a plain wait
-        self._delays: list[float] = []  # arrival delays of recent aggregated replies, most recent first
+        self._delays: list[float] = []  # recent reply delays, most recent first: Schedule.next_deadline's
         self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._account = _Account()
         self._unfit = 0
@@ -181,10 +181,7 @@ class ScheduledGrid(RunGrid):
 
     def current_deadline(self) -> float | None:
         """The deadline the next training round gets, seconds (None: none)."""
-        schedule = self.schedule
-        if not schedule.adaptive_deadline or not self._delays:
-            return schedule.deadline_s
-        return schedule.deadline_slack * float(np.quantile(self._delays, schedule.deadline_quantile))
+        return self.schedule.next_deadline(self._delays)
 
     def _train_round(self, messages: list[Message], timeout: float | None) -> list[Message]:
         deadline = self.current_deadline()
@@ -207,6 +204,7 @@ class ScheduledGrid(RunGrid):
                     failed.append(reply)  # passed on for the runner to report; never an update
                 elif keep is not None and len(accepted) >= keep:
                     account.cut += 1  # came in the same poll as the M-th: over-selection drops it
+                    delays.append(self._clock() - start)
                 else:
                     accepted.append(reply)
                     delays.append(self._clock() - start)
@@ -223,6 +221,7 @@ class ScheduledGrid(RunGrid):
                 account.late += len(pending)
             self._abandon(list(pending))
         account.round_s = self._clock() - start
+        delays += [account.round_s] * len(pending)  # still missing: slower than the round was long
         account.accepted, account.failed = len(accepted), len(failed)
         account.late_arrived = self._account.late_arrived  # drained before this round started
         self._account = account

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from flwr.app import Message, MessageType
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
@@ -102,7 +101,7 @@ class ClockGrid(RunGrid):
         self.schedule, self._trace, self._seed = schedule or Schedule(), trace, seed
         self.now_s = 0.0
         self._round = 0
-        self._delays: list[float] = []  # arrival delays of recent accepted replies, for the adaptive deadline
+        self._delays: list[float] = []  # recent reply delays, most recent first: Schedule.next_deadline's
         self._report = _Round()
         self._sizes: dict[str, list[int]] = {}  # instruction id -> [down bytes, up bytes]
         self._queued: dict[str, tuple[float, int, Message, dict[str, Any]]] = {}  # pushed id -> arrival
@@ -217,7 +216,11 @@ class ClockGrid(RunGrid):
             keep = max(1, math.ceil(len(messages) / self.schedule.over_select))
         outcome = select_replies(timings, round_start_s=start, deadline_s=self._deadline(), keep=keep)
         self.now_s = max(outcome.end_s, start)
-        self._delays = ([timings[n].arrival_s - start for n in outcome.accepted] + self._delays)[:200]
+        # What a coordinator sees: the arrivals it waited for; a reply that came too late (or after the
+        # first M) is known only to take longer than the round did.
+        censored = [outcome.end_s - start] * len(outcome.late)
+        arrived = [timings[n].arrival_s - start for n in outcome.accepted]
+        self._delays = (arrived + censored + self._delays)[:200]
         status = {n: "accepted" for n in outcome.accepted}
         status.update({n: "late" for n in outcome.late})
         status.update({n: "cut_off" for n in outcome.cut_off})
@@ -278,10 +281,7 @@ class ClockGrid(RunGrid):
         self._queued[instruction.metadata.message_id] = (arrival_s, self._pushed, reply, row)
 
     def _deadline(self) -> float | None:
-        schedule = self.schedule
-        if not schedule.adaptive_deadline or not self._delays:
-            return schedule.deadline_s
-        return schedule.deadline_slack * float(np.quantile(self._delays, schedule.deadline_quantile))
+        return self.schedule.next_deadline(self._delays)
 
     def _fits(self, node: int) -> bool:
         if not self.schedule.memory_aware:

@@ -153,7 +153,8 @@ def test_error_replies_are_passed_on_but_do_not_count_towards_m():
 
 
 def test_adaptive_deadline_follows_recent_arrival_delays():
-    schedule = Schedule(deadline_s=100.0, adaptive_deadline=True, deadline_quantile=1.0, deadline_slack=1.5)
+    # delays after round 1: 1.0, 2.0 and node 3's, missing at 100 s: their median is 2.0
+    schedule = Schedule(deadline_s=100.0, adaptive_deadline=True, deadline_quantile=0.5, deadline_slack=1.5)
     grid, _ = _grid({1: 1.0, 2: 2.0, 3: math.inf}, schedule)
     _train(grid)
     assert grid.take_round()["schedule_round_s"] == pytest.approx(100.0, abs=0.02)  # the first round's value
@@ -162,6 +163,19 @@ def test_adaptive_deadline_follows_recent_arrival_delays():
     figures = grid.take_round()
     assert figures["schedule_deadline_s"] == pytest.approx(3.0, abs=0.05)
     assert figures["schedule_round_s"] == pytest.approx(figures["schedule_deadline_s"], abs=0.02)
+
+
+def test_adaptive_deadline_grows_until_it_takes_in_the_slow_nodes():
+    """Replies it cut off count at the round's length, so the deadline cannot settle on the fast nodes."""
+    schedule = Schedule(deadline_s=1.0, adaptive_deadline=True, deadline_quantile=1.0, deadline_slack=1.5)
+    grid, _ = _grid({1: 0.5, 2: 4.0}, schedule)
+    deadlines, senders = [], []
+    for _ in range(6):
+        senders.append(_senders(_train(grid)))
+        deadlines.append(grid.take_round()["schedule_deadline_s"])
+    assert deadlines[:5] == pytest.approx([1.0, 1.5, 2.25, 3.375, 5.0625], abs=0.05)  # x1.5 a round
+    assert senders[:4] == [[1]] * 4 and senders[4] == [1, 2]  # then node 2 fits
+    assert deadlines[5] == pytest.approx(1.5 * 4.0, abs=0.1)  # and the deadline follows its delay
 
 
 def test_a_late_reply_never_reaches_a_later_round():
