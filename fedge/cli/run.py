@@ -60,6 +60,11 @@ def simulate(
         None,
         help="Momentum correction of the clients' error feedback, in [0, 1) (needs --codec) [default: 0].",
     ),
+    ef_residual_cap: float | None = typer.Option(
+        None,
+        help="Cap each client's error-feedback residual at this multiple of its update's norm; 1 suits "
+        "fleets whose clients train rarely (needs --codec) [default: 0: uncapped].",
+    ),
     strategy: str | None = typer.Option(
         None,
         help="Aggregation: fedavg, median, trimmed-mean (Flower's), or with --codec sparse-median, "
@@ -108,6 +113,7 @@ def simulate(
         "server_lr": server_lr,
         "server_optimizer": server_optimizer,
         "ef_momentum": ef_momentum,
+        "ef_residual_cap": ef_residual_cap,
         "strategy": strategy,
         "attack": attack,
         "attackers": attackers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -115,3 +116,24 @@ def test_an_upload_budget_table_reaches_the_strategy_and_survives_flowers_run_co
         AppConfig(codec="fp32", upload_budget={"deadline": 8.0})
     with pytest.raises(ConfigError, match="upload_budget needs codec"):
         AppConfig(upload_budget={"deadline_s": 8.0})
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbuff"])
+def test_the_residual_cap_reaches_every_clients_instruction(strategy):
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from fedge.app.server_app import build_strategy
+    from fedge.flower.compat import set_task_identity
+    from fedge.protocol.arrays import arrays_to_record
+    from fedge.protocol.records import INSTRUCTION_KEY, Instruction
+
+    set_task_identity(run_id=1)
+    config = AppConfig(codec="topk:0.1+int8", ef_residual_cap=1.0, strategy=strategy)
+    assert AppConfig.from_run_config(config.to_run_config()) == config
+    channel = build_strategy(config).channel
+    model = {"w": np.zeros(4, np.float32)}
+    arrays = arrays_to_record(model)
+    message = Message(RecordDict({"arrays": arrays, "config": ConfigRecord()}), 5, "train")
+    (sent,) = channel.instruct(1, [message], model, {})
+    assert Instruction.from_record(sent.content[INSTRUCTION_KEY]).ef_residual_cap == 1.0
+    assert AppConfig(codec="topk:0.1+int8").ef_residual_cap == 0.0  # off unless asked for
