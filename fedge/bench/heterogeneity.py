@@ -23,8 +23,9 @@ baseline over fedge's best schedule, ``best_schedule``: ``fedge`` or ``fedbuff``
 reaches the target within the rounds run, its whole simulated time is used and ``vs_*_is_lower_bound`` says
 so); the final accuracies (the mean of each run's last 10 rounds), ``final_gap_pp_vs_dense`` and
 ``final_gap_pp_vs_topk`` (baseline's minus the best schedule's, points) and ``equal_final_accuracy``
-(neither gap above 0.5 point: the speed is not bought with accuracy); and the largest fraction of clients available at a sampled moment of the trace
-(``max_fraction_available``, <= 0.5). At fleet scale (``fedge.app.synthetic``, 1,000 clients):
+(neither gap above 0.5 point: the speed is not bought with accuracy); and the largest fraction of
+clients available at a sampled moment of the trace (``max_fraction_available``, <= 0.5). At fleet scale
+(``fedge.app.synthetic``, 1,000 clients):
 ``clients_1000_wall_s``, ``clients_1000_peak_rss_mb`` and ``clients_1000_rounds`` (the scale run: 100 a
 round, 100 rounds, on the local engine; ``--quick``: 5 rounds), and, in full runs,
 ``large_tta_speedup_vs_dense`` and ``large_tta_speedup_vs_fixed_topk`` (target: 95 % of dense's final
