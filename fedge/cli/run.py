@@ -93,7 +93,7 @@ def simulate(
     from rich.console import Console
 
     from fedge.app.task import load_task, prepare_task
-    from fedge.reporting.display import RoundProgress, summary_table
+    from fedge.reporting.display import RoundProgress, fleet_table, summary_table
     from fedge.server.runner import RunFailed
     from fedge.simulation.config import SimulationConfig
     from fedge.simulation.engines import run_simulation
@@ -159,9 +159,11 @@ def simulate(
         console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
         raise typer.Exit(130) from None
     console.print(summary_table(history, title=f"fedge simulate ({sim.engine})"))
-    console.print(
-        f"metrics: {out / 'metrics.json'}\nplots:   {out / 'accuracy.png'}, {out / 'accuracy_vs_upload.png'}"
-    )
+    if (fleet := fleet_table(history)) is not None:
+        console.print(fleet)
+    names = ("accuracy.png", "accuracy_vs_upload.png", "accuracy_vs_time.png", "timeline.png")
+    plots = ", ".join(str(out / name) for name in names if (out / name).exists())
+    console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)
 
 
 def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbose: bool) -> None:

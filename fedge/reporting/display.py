@@ -1,6 +1,8 @@
-"""What people watch during a run: a live progress bar per round and a summary table at the end."""
+"""What people watch during a run: a live progress bar per round and summary tables at the end."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -8,7 +10,7 @@ from rich.table import Table
 
 from fedge.reporting.history import RoundMetrics, RunHistory
 
-__all__ = ["RoundProgress", "summary_table"]
+__all__ = ["RoundProgress", "fleet_table", "summary_table"]
 
 
 class RoundProgress:
@@ -48,12 +50,14 @@ class RoundProgress:
 
 
 def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
-    """Per-round accuracy, loss, clients and traffic, with totals."""
+    """Per-round accuracy, loss, clients and traffic, with totals (and simulated seconds on a fleet)."""
+    clocked = any("sim_time_s" in r.extra for r in history.rounds)
     table = Table(title=title)
-    for name in ("round", "accuracy", "loss", "clients", "down MB", "up MB", "seconds"):
+    names = ("round", "accuracy", "loss", "clients", "down MB", "up MB", "seconds")
+    for name in names + (("sim s",) if clocked else ()):
         table.add_column(name, justify="right")
     for r in history.rounds:
-        table.add_row(
+        row = [
             str(r.round),
             f"{100 * r.accuracy:.2f}%",
             f"{r.loss:.4f}",
@@ -61,10 +65,11 @@ def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
             f"{r.bytes_down / 1e6:.2f}",
             f"{r.bytes_up / 1e6:.2f}",
             f"{r.wall_s:.2f}",
-        )
+        ]
+        table.add_row(*row, *([f"{r.extra.get('sim_time_s', 0.0):.2f}"] if clocked else []))
     if history.rounds:
         table.add_section()
-        table.add_row(
+        total = [
             "total",
             f"{100 * history.rounds[-1].accuracy:.2f}%",
             "",
@@ -72,5 +77,31 @@ def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
             f"{sum(r.bytes_down for r in history.rounds) / 1e6:.2f}",
             f"{sum(r.bytes_up for r in history.rounds) / 1e6:.2f}",
             f"{sum(r.wall_s for r in history.rounds):.2f}",
-        )
+        ]
+        clock = history.rounds[-1].extra.get("sim_clock_s", 0.0)
+        table.add_row(*total, *([f"{clock:.2f}"] if clocked else []))
+    return table
+
+
+def fleet_table(history: RunHistory) -> Table | None:
+    """Per device class of a simulated fleet, what became of its clients' replies; None without a fleet.
+
+    A schedule that is fast because it leaves a device class out shows it here: that class's data is what
+    the model does not learn.
+    """
+    statuses: dict[str, Counter[str]] = {}
+    for r in history.rounds:
+        for row in r.timeline:
+            if "device" in row:  # an error row names only the client
+                statuses.setdefault(str(row["device"]), Counter())[str(row["status"])] += 1
+    if not statuses:
+        return None
+    aggregated = sum(counts["accepted"] for counts in statuses.values())
+    table = Table(title="who trained: replies per device class")
+    for name in ("device", "aggregated", "late", "cut off", "share of updates"):
+        table.add_column(name, justify="left" if name == "device" else "right")
+    for device, counts in sorted(statuses.items()):
+        share = counts["accepted"] / aggregated if aggregated else 0.0
+        counted = (str(counts[status]) for status in ("accepted", "late", "cut_off"))
+        table.add_row(device, *counted, f"{share:.0%}")
     return table

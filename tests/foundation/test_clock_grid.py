@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fedge.app.config import AppConfig
 from fedge.devices.fleet import FleetConfig
+from fedge.reporting.display import fleet_table
+from fedge.reporting.history import RunHistory
 from fedge.simulation.clock_grid import Schedule
 from fedge.simulation.config import SimulationConfig
 from fedge.simulation.engines import run_simulation
@@ -45,3 +49,25 @@ def test_a_client_whose_memory_cannot_hold_training_is_never_sampled():
     rounds = _run(Schedule(memory_aware=True, training_memory_bytes=1e9), rounds=3).rounds
     devices = {t["device"] for r in rounds for t in r.timeline}
     assert devices == {"pi4_wifi"}
+
+
+def test_an_adaptive_deadline_grows_until_the_slow_gateways_are_in():
+    """Gateways cut off by the first deadline count at the round's length, so the deadline grows x1.5 a
+    round until their replies make it (it used to follow only the replies it let in: the Pis')."""
+    schedule = Schedule(deadline_s=1.0, adaptive_deadline=True, deadline_quantile=1.0, deadline_slack=1.5)
+    app = AppConfig(rounds=16, local_epochs=1, seed=0, codec="topk:0.1+int8", max_failed_rounds=0)
+    history = run_simulation(SimulationConfig(clients=4, workers=1, app=app, fleet=FLEET, schedule=schedule))
+    gateway = [{t["status"] for t in r.timeline if t["device"] == "nbiot_gateway"} for r in history.rounds]
+    assert gateway[0] == {"late"}  # the first deadline, 1 s, is far below a gateway's round
+    first_in = next(i for i, statuses in enumerate(gateway) if "accepted" in statuses)
+    lengths = [r.extra["sim_time_s"] for r in history.rounds[:first_in]]
+    assert lengths[:3] == pytest.approx([1.0, 1.5, 2.25], rel=1e-3)  # the deadline, x1.5 a round
+    assert "accepted" in gateway[-1]  # and the gateways stay in
+    # The end-of-run table says who trained: the gateways' late rounds and their share of the updates.
+    table = fleet_table(history)
+    rows = {row[0]: row[1:] for row in zip(*(column.cells for column in table.columns), strict=True)}
+    assert set(rows) == {"nbiot_gateway", "pi4_wifi"}
+    aggregated = {device: int(cells[0]) for device, cells in rows.items()}
+    assert int(rows["nbiot_gateway"][1]) >= first_in  # late in every round before they got in
+    assert aggregated["pi4_wifi"] > aggregated["nbiot_gateway"] > 0
+    assert fleet_table(RunHistory(config={})) is None  # no fleet, no table
