@@ -29,10 +29,11 @@ class Schedule:
     adaptive_deadline : bool (default: False)
         Set the deadline from recent rounds (:meth:`next_deadline`): ``deadline_slack`` times the
         ``deadline_quantile`` of the reply delays of the last rounds' sampled clients (``deadline_s``, if
-        given, is the first round's value). A reply still missing when its round ended counts at the
-        round's length, a lower bound: so a deadline that leaves more than ``1 - deadline_quantile`` of the
-        clients out grows by ``deadline_slack`` a round until it no longer does, instead of following only
-        the replies it let in (which shrank it round after round onto the fastest devices).
+        given, is the first round's value). A reply the deadline cut off counts at the round's length, a
+        lower bound: so a deadline that leaves more than ``1 - deadline_quantile`` of the clients out grows by
+        ``deadline_slack`` a round until it no longer does, instead of following only the replies it let in
+        (which shrank it round after round onto the fastest devices). Replies over-selection did not wait
+        for are left out: the round had enough without them.
     deadline_quantile : float (default: 0.8)
         Which arrival delay of recent rounds the adaptive deadline follows, in (0, 1].
     deadline_slack : float (default: 1.5)
@@ -74,8 +75,8 @@ class Schedule:
         ----------
         delays : sequence of float
             Recent rounds' reply delays, seconds from each round's start: the arrival of each reply that
-            came, the round's length for each one still missing when the round ended (a client that went
-            away is left out: its absence says nothing of its speed).
+            came, the round's length for each one the deadline cut off (a client that went away, or one
+            over-selection did not wait for, is left out: neither says the deadline was short).
         """
         if not self.adaptive_deadline or not delays:
             return self.deadline_s

@@ -6,7 +6,7 @@ seconds measured on the coordinator's monotonic clock instead of computed:
 
 * **deadline**: a training round waits at most ``deadline_s`` real seconds (never longer than the runner's
   round timeout); with ``adaptive_deadline``, ``deadline_slack`` times the ``deadline_quantile`` of recent
-  rounds' reply delays, a reply still missing counting at its round's length (the clock's rule,
+  rounds' reply delays, a reply the deadline cut off counting at its round's length (the clock's rule,
   :meth:`Schedule.next_deadline`, on measured delays);
 * **over-selection**: the round returns as soon as the first ``ceil(sampled / over_select)`` updates arrived;
 * replies still outstanding when the round ends are **dropped and counted**: the inner Grid is told to stop
@@ -214,14 +214,14 @@ class ScheduledGrid(RunGrid):
             if left is not None and left <= 0:
                 break
             self._pause(self._poll_s if left is None else min(self._poll_s, left))
+        account.round_s = self._clock() - start
         if pending:
             if keep is not None and len(accepted) >= keep:
-                account.cut += len(pending)
+                account.cut += len(pending)  # over-selection had enough: says nothing of the deadline
             else:
                 account.late += len(pending)
+                delays += [account.round_s] * len(pending)  # the deadline cut them off: slower than that
             self._abandon(list(pending))
-        account.round_s = self._clock() - start
-        delays += [account.round_s] * len(pending)  # still missing: slower than the round was long
         account.accepted, account.failed = len(accepted), len(failed)
         account.late_arrived = self._account.late_arrived  # drained before this round started
         self._account = account

@@ -216,9 +216,10 @@ class ClockGrid(RunGrid):
             keep = max(1, math.ceil(len(messages) / self.schedule.over_select))
         outcome = select_replies(timings, round_start_s=start, deadline_s=self._deadline(), keep=keep)
         self.now_s = max(outcome.end_s, start)
-        # What a coordinator sees: the arrivals it waited for; a reply that came too late (or after the
-        # first M) is known only to take longer than the round did.
-        censored = [outcome.end_s - start] * len(outcome.late)
+        # What a coordinator sees: the arrivals it waited for; a reply the deadline cut off is known only
+        # to take longer than the round did. (Replies after the first M say nothing of the deadline.)
+        ended_by_keep = keep is not None and len(outcome.accepted) == keep
+        censored = [] if ended_by_keep else [outcome.end_s - start] * len(outcome.late)
         arrived = [timings[n].arrival_s - start for n in outcome.accepted]
         self._delays = (arrived + censored + self._delays)[:200]
         status = {n: "accepted" for n in outcome.accepted}
