@@ -204,7 +204,6 @@ class ScheduledGrid(RunGrid):
                     failed.append(reply)  # passed on for the runner to report; never an update
                 elif keep is not None and len(accepted) >= keep:
                     account.cut += 1  # came in the same poll as the M-th: over-selection drops it
-                    delays.append(self._clock() - start)
                 else:
                     accepted.append(reply)
                     delays.append(self._clock() - start)
