@@ -72,5 +72,6 @@ def _task(config: ConfigRecord, context: Context) -> PreparedTask:
 
 
 def _received_model(task: PreparedTask, msg: Message) -> nn.Module:
-    """The task's model, loaded with the weights that came with the instruction."""
-    return load_record(task.task.model(), msg.content["arrays"])
+    """The task's model (reused between calls where the task allows), loaded with the weights that came
+    with the instruction."""
+    return load_record(task.client_model(), msg.content["arrays"])

@@ -99,6 +99,15 @@ class Task(ABC):
     meant to be exported returns None from :meth:`export_inputs`: nothing is exported and the log says so.
     """
 
+    reuse_model: bool = True
+    """Whether a client process may build :meth:`model` once and load each call's weights into it.
+
+    Building a model costs more than loading weights into one (0.5-0.9 ms against 0.1 ms for the digits
+    CNN, on every ClientApp call). A reused model gets every entry of its ``state_dict`` replaced (strictly)
+    on each call, so nothing of an earlier call's weights survives; a model whose behaviour depends on state
+    outside its ``state_dict`` (non-persistent buffers it changes, attributes set in training) sets this
+    to False and gets a fresh model every call."""
+
     @abstractmethod
     def model(self) -> nn.Module:
         """A freshly initialised model (seed torch beforehand for reproducible weights)."""
@@ -234,7 +243,19 @@ class PreparedTask:
         self._cache_size = cached_partitions
         self._partitions: OrderedDict[int, TensorData] = OrderedDict()
         self._lock = threading.Lock()  # the thread-pool engine shares one instance between clients
+        self._models = threading.local()  # ... so each of its threads reuses a model of its own
         task.prepare(num_partitions, alpha=alpha, seed=seed)
+
+    def client_model(self) -> nn.Module:
+        """A model for a client call to load its weights into: this thread's, built once and reused when
+        the task allows it (:attr:`Task.reuse_model`), else a fresh one."""
+        if not self.task.reuse_model:
+            return self.task.model()
+        model = getattr(self._models, "model", None)
+        if model is None:
+            model = self._models.model = self.task.model()
+        model.zero_grad(set_to_none=True)  # a training loop that steps before zeroing must not see old ones
+        return model
 
     def partition(self, partition_id: int) -> TensorData:
         """Client ``partition_id``'s training data, loaded once while it stays in the cache."""

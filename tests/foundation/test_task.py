@@ -1,10 +1,12 @@
 """The reference task and task loading."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
-from fedge.app.task import DigitsTask, TaskLoadError, TrainConfig, load_task
+from fedge.app.task import DigitsTask, PreparedTask, TaskLoadError, TrainConfig, load_task
 
 
 def test_partitions_are_disjoint_and_cover_the_training_split():
@@ -90,3 +92,36 @@ def test_prepared_partitions_load_without_the_partitioner(tmp_path):
     assert first.stdout.startswith("True") and second.stdout.startswith("False")
     assert second.stdout.split(" ", 1)[1].strip() == str(expected.tolist())
     assert len(list(tmp_path.glob("digits-dirichlet-*.npz"))) == 1
+
+
+def _trained(model: torch.nn.Module, weights: dict, data, seed: int) -> dict:
+    model.load_state_dict(weights)
+    DigitsTask().train(model, data, TrainConfig(epochs=1, learning_rate=0.1, batch_size=8, seed=seed))
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def test_a_reused_client_model_trains_exactly_as_a_fresh_one_and_is_per_thread():
+    prepared = PreparedTask(DigitsTask(), 4, alpha=0.5, seed=0)
+    reused = prepared.client_model()
+    assert prepared.client_model() is reused
+    torch.manual_seed(1)
+    first, second = DigitsTask().model().state_dict(), DigitsTask().model().state_dict()
+    _trained(reused, first, prepared.partition(0), seed=1)  # leaves weights and gradients behind
+    again = _trained(prepared.client_model(), second, prepared.partition(1), seed=2)
+    fresh = _trained(DigitsTask().model(), second, prepared.partition(1), seed=2)
+    assert all(torch.equal(again[name], fresh[name]) for name in fresh)
+    assert any(p.grad is not None for p in reused.parameters())  # what a next call must not inherit
+    assert all(p.grad is None for p in prepared.client_model().parameters())
+    other: list[torch.nn.Module] = []
+    thread = threading.Thread(target=lambda: other.append(prepared.client_model()))
+    thread.start()
+    thread.join()
+    assert other[0] is not reused
+
+
+def test_a_task_that_opts_out_of_reuse_gets_a_fresh_model_each_call():
+    class Stateful(DigitsTask):
+        reuse_model = False
+
+    prepared = PreparedTask(Stateful(), 4, alpha=0.5, seed=0)
+    assert prepared.client_model() is not prepared.client_model()
