@@ -100,6 +100,9 @@ class AppConfig:
         Stop the run after this many rounds in a row without one accepted update (0: never stop).
     target_accuracy : float (default: 0.0)
         End the run early once the global model reaches this accuracy (0: run every round).
+    sim_time_budget_s : float (default: 0.0)
+        On a simulated fleet, end the run after the round in which the simulated clock reaches this many
+        seconds (0: run every round): compares schedules over the same fleet time.
     upload_budget : dict (default: {})
         Per-client uplink codecs sized so each upload fits a deadline, from the client's link where the
         Grid knows it (the simulated clock): the fields of :class:`fedge.server.budget.UploadBudget`
@@ -162,6 +165,7 @@ class AppConfig:
     max_norm_ratio: float = 5.0
     max_failed_rounds: int = 3
     target_accuracy: float = 0.0
+    sim_time_budget_s: float = 0.0
     upload_budget: dict[str, Any] = field(default_factory=dict)
     strategy: str = "fedavg"
     buffer_size: int = 10
@@ -196,6 +200,7 @@ class AppConfig:
             (self.min_nodes >= 1, "min_nodes must be >= 1"),
             (self.max_failed_rounds >= 0, "max_failed_rounds must be >= 0"),
             (0.0 <= self.target_accuracy <= 1.0, "target_accuracy must be in [0, 1]"),
+            (0.0 <= self.sim_time_budget_s < math.inf, "sim_time_budget_s must be >= 0 and finite"),
         ]
         for ok, message in checks:
             if not ok:

@@ -219,6 +219,7 @@ def federated_run(
         min_nodes=config.min_nodes,
         max_failed_rounds=config.max_failed_rounds,
         target_accuracy=config.target_accuracy,
+        sim_time_budget_s=config.sim_time_budget_s,
         exporter=exporter,
     )
 

@@ -72,6 +72,9 @@ class FederatedRun:
         Figures the caller adds to every round's metrics (the coordinator: transport drop counts).
     target_accuracy : float (default: 0.0)
         Stop once the global model reaches this accuracy (time-to-accuracy runs); 0 runs every round.
+    sim_time_budget_s : float (default: 0.0)
+        Stop after the round in which the simulated clock (a round's ``sim_clock_s``, on a simulated
+        fleet) reaches this many seconds; 0 runs every round.
     max_failed_rounds : int (default: 3)
         Stop with :class:`RunFailed` after this many consecutive rounds in which no client update was
         accepted (0 never stops); a run that ends without a single accepted update fails too.
@@ -92,6 +95,7 @@ class FederatedRun:
     min_nodes: int = 1
     round_extras: Callable[[], Mapping[str, float]] | None = None
     target_accuracy: float = 0.0
+    sim_time_budget_s: float = 0.0
     max_failed_rounds: int = 3
     exporter: ModelExporter | None = None
 
@@ -175,16 +179,16 @@ def run_rounds(
             history.rounds.append(metrics)
             if on_round_end is not None:
                 on_round_end(server_round, arrays, history)
+            stop = _stop_reason(run, metrics)
             if run.exporter is not None:
-                reached = bool(run.target_accuracy) and metrics.accuracy >= run.target_accuracy
-                final = server_round >= run.num_rounds or reached
+                final = server_round >= run.num_rounds or bool(stop)
                 run.exporter.after_round(server_round, arrays, history, final=final)
             if run.out_dir:  # people (and tools) can follow a long run in metrics.json
                 history.write(run.out_dir)
             history.notify(metrics)
             failures.check(metrics, traffic.first_error)
-            if run.target_accuracy and metrics.accuracy >= run.target_accuracy:
-                raise _TargetReached
+            if stop:
+                raise _StopEarly(stop)
         round_started = time.perf_counter()
         return MetricRecord({"accuracy": result["accuracy"], "loss": result["loss"]})
 
@@ -198,10 +202,8 @@ def run_rounds(
             evaluate_fn=evaluate,
             timeout=timeout,
         )
-    except _TargetReached:
-        log.info(
-            "reached the target accuracy %.4f after round %d", run.target_accuracy, history.rounds[-1].round
-        )
+    except _StopEarly as stop:
+        log.info("%s after round %d", stop, history.rounds[-1].round)
     finally:  # an interrupted or failed run still leaves the rounds it completed
         if run.out_dir and history.rounds:
             write_run_outputs(history, run.out_dir)
@@ -209,8 +211,18 @@ def run_rounds(
     return history
 
 
-class _TargetReached(Exception):
-    """Raised from the evaluation hook to end Flower's round loop once the target accuracy is reached."""
+class _StopEarly(Exception):
+    """Raised from the evaluation hook to end Flower's round loop early; its message says why."""
+
+
+def _stop_reason(run: FederatedRun, metrics: RoundMetrics) -> str:
+    """Why the run ends after this round (target accuracy reached, simulated time spent), or ""."""
+    if run.target_accuracy and metrics.accuracy >= run.target_accuracy:
+        return f"reached the target accuracy {run.target_accuracy:.4f}"
+    clock = float(metrics.extra.get("sim_clock_s", 0.0))
+    if run.sim_time_budget_s and clock >= run.sim_time_budget_s:
+        return f"spent the simulated time budget of {run.sim_time_budget_s:g} s ({clock:.1f} s)"
+    return ""
 
 
 class _FailureWatch:

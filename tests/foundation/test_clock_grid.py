@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fedge.app.config import AppConfig
+from fedge.config import ConfigError
 from fedge.devices.fleet import FleetConfig
 from fedge.reporting.display import fleet_table
 from fedge.reporting.history import RunHistory
@@ -71,3 +72,14 @@ def test_an_adaptive_deadline_grows_until_the_slow_gateways_are_in():
     assert int(rows["nbiot_gateway"][1]) >= first_in  # late in every round before they got in
     assert aggregated["pi4_wifi"] > aggregated["nbiot_gateway"] > 0
     assert fleet_table(RunHistory(config={})) is None  # no fleet, no table
+
+
+def test_a_run_ends_after_the_round_that_spends_its_simulated_time_budget():
+    """Schedules are compared over the same fleet time: the run stops once the clock reaches the budget."""
+    app = AppConfig(rounds=30, local_epochs=1, seed=0, fraction_train=0.5, sim_time_budget_s=40.0)
+    config = SimulationConfig(clients=8, workers=1, app=app, fleet=FLEET, schedule=Schedule(deadline_s=20.0))
+    clocks = [r.extra["sim_clock_s"] for r in run_simulation(config).rounds]
+    assert clocks[-1] >= 40.0 and all(c < 40.0 for c in clocks[:-1])
+    assert len(clocks) < 30
+    with pytest.raises(ConfigError, match="sim_time_budget_s"):
+        AppConfig(sim_time_budget_s=-1.0)
