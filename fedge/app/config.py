@@ -41,6 +41,11 @@ STRATEGIES = (
 """``AppConfig.strategy`` values; ``sparse-*`` aggregate compressed updates (:mod:`fedge.server.robust`),
 ``fedbuff`` trains asynchronously (:mod:`fedge.server.async_runner`)."""
 
+UNTRUSTED_CLIENT_STRATEGIES = frozenset(
+    {"median", "trimmed-mean", "sparse-median", "sparse-trimmed-mean", "sparse-clipped-mean"}
+)
+"""Strategies for clients that may not be honest: their replies are norm-screened by default."""
+
 
 @dataclass(frozen=True)
 class AppConfig:
@@ -94,8 +99,12 @@ class AppConfig:
         Clients scale their error-feedback residual to at most this multiple of their update's norm before
         adding it (0: uncapped). Where clients train rarely (sampling, availability), 1.0 keeps stale
         residuals from derailing training; needs ``codec``.
-    max_norm_ratio : float (default: 5.0)
-        Replies whose update norm exceeds this multiple of the round's median are rejected.
+    max_norm_ratio : float, optional
+        Replies whose update norm exceeds this multiple of the round's median are rejected (0: off).
+        Unset, it is 5 for the strategies meant for untrusted clients (``median``, ``trimmed-mean``,
+        ``sparse-*``) and off for ``fedavg`` and ``fedbuff``: on non-IID clients the honest updates of the
+        ones the model fits worst are the largest, and a norm test rejects exactly them, round after round
+        (on the heterogeneity bench's fleet, 1.4 replies a round, and 1.4 points of final accuracy).
     max_failed_rounds : int (default: 3)
         Stop the run after this many rounds in a row without one accepted update (0: never stop).
     target_accuracy : float (default: 0.0)
@@ -162,7 +171,7 @@ class AppConfig:
     server_momentum: float = 0.9
     ef_momentum: float | None = None
     ef_residual_cap: float = 0.0
-    max_norm_ratio: float = 5.0
+    max_norm_ratio: float | None = None
     max_failed_rounds: int = 3
     target_accuracy: float = 0.0
     sim_time_budget_s: float = 0.0
@@ -186,6 +195,9 @@ class AppConfig:
             names = ", ".join(PRESETS)
             raise ConfigError(f"unknown compress preset {self.compress!r}; choose one of: {names}")
         preset = PRESETS.get(self.compress, {})
+        if self.max_norm_ratio is None:
+            screened = self.strategy in UNTRUSTED_CLIENT_STRATEGIES
+            object.__setattr__(self, "max_norm_ratio", 5.0 if screened else 0.0)
         for key, default in _PRESET_DEFAULTS.items():  # unset: the preset's value, else the default
             if getattr(self, key) is None:
                 object.__setattr__(self, key, preset.get(key, default))
@@ -279,7 +291,7 @@ class AppConfig:
             (0.0 <= self.server_momentum < 1.0, "server_momentum must be in [0, 1)"),
             (0.0 <= self.ef_momentum < 1.0, "ef_momentum must be in [0, 1)"),
             (self.ef_residual_cap >= 0.0, "ef_residual_cap must be >= 0 (0: uncapped)"),
-            (self.max_norm_ratio > 1.0, "max_norm_ratio must be > 1"),
+            (self.max_norm_ratio == 0.0 or self.max_norm_ratio > 1.0, "max_norm_ratio must be > 1 (0: off)"),
         ]
         for ok, message in checks:
             if not ok:

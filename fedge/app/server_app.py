@@ -9,6 +9,7 @@ in :func:`fedge.server.runner.run_rounds`.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -139,7 +140,7 @@ def _compression(config: AppConfig) -> CompressionConfig:
         ef_momentum=config.ef_momentum,
         ef_residual_cap=config.ef_residual_cap or None,
         downlink=downlink,
-        screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio),
+        screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio or math.inf),
         budget=from_table(UploadBudget, config.upload_budget) if config.upload_budget else None,
     )
 

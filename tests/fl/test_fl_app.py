@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -137,3 +138,22 @@ def test_the_residual_cap_reaches_every_clients_instruction(strategy):
     (sent,) = channel.instruct(1, [message], model, {})
     assert Instruction.from_record(sent.content[INSTRUCTION_KEY]).ef_residual_cap == 1.0
     assert AppConfig(codec="topk:0.1+int8").ef_residual_cap == 0.0  # off unless asked for
+
+
+@pytest.mark.parametrize(
+    ("settings", "ratio"),
+    [
+        ({"codec": "topk:0.1+int8"}, math.inf),  # honest-client strategies keep non-IID clients' updates
+        ({"codec": "topk:0.1+int8", "strategy": "fedbuff"}, math.inf),
+        ({"codec": "topk:0.1+int8", "strategy": "sparse-median"}, 5.0),  # untrusted clients: screened
+        ({"codec": "fp32", "strategy": "median"}, 5.0),
+        ({"codec": "topk:0.1+int8", "max_norm_ratio": 8.0}, 8.0),
+        ({"codec": "topk:0.1+int8", "strategy": "sparse-median", "max_norm_ratio": 0.0}, math.inf),
+    ],
+)
+def test_the_norm_screen_is_on_by_default_only_for_untrusted_client_strategies(settings, ratio):
+    from fedge.app.server_app import build_strategy
+
+    config = AppConfig(**settings)
+    assert AppConfig.from_run_config(config.to_run_config()) == config
+    assert build_strategy(config).channel.config.screen.max_norm_ratio == ratio
