@@ -2,12 +2,17 @@
 
 A Mosquitto on a free port; the inference agent as its own process (the torch-free ``fedge serve``); a
 requester sending one request every 10 ms (100 requests/s, paced by the clock, not by answers); the
-coordinator's :class:`~fedge.transport.artifact_channel.ArtifactPublisher` publishing ``swaps`` new
-versions, alternating two fp32 model files (two different sets of weights; one variant per version, so a
-swap measures no variants). The agent's status gives each replica's swap window, from the moment it starts
-installing the new version (built and warmed beside the old one; with two replicas, after leaving the
-request group) to the moment the new session serves; and the transfer before it, from the moment the new
-version's header arrived (wall clock, the same machine's).
+coordinator, in a process of its own, publishing ``swaps`` new versions with
+:class:`~fedge.transport.artifact_channel.ArtifactPublisher`, alternating two fp32 model files (two
+different sets of weights; one variant per version, so a swap measures no variants). The coordinator is
+not in the requester's process because on a fleet it never is: sharing a GIL with the publisher, the
+requester took in its answers late while a version was being published (requests in flight then:
+4-6 ms against 2-3 ms), a delay no device causes.
+
+The agent's status gives each replica's swap window, from the moment it starts installing the new
+version (built and warmed beside the old one; with two replicas, after leaving the request group) to the
+moment the new session serves; and the transfer before it, from the moment the coordinator began
+publishing the version (or its header arrived, if that is earlier; wall clock, the same machine's).
 
 Figures: failed requests (error answers or no answer within 5 s), requests whose flight overlaps a swap
 window, and ``pause_p99_ms`` = p99 latency of those requests minus p99 latency of the requests clear of
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -47,7 +53,6 @@ _NODE = "dev-1"
 
 def swap_over_broker(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0, replicas: int = 1) -> dict:
     """Run the swap test with ``replicas`` serving processes; see the module docstring for the figures."""
-    models = [(p.read_bytes(), read_manifest(p)) for p in paths]
     with (
         tempfile.TemporaryDirectory(prefix="fedge-swap-") as tmp,
         MosquittoBroker(Path(tmp) / "mq") as broker,
@@ -59,22 +64,28 @@ def swap_over_broker(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0,
         for r in range(replicas):
             topic = topics.infer_status(_NODE) + (f"/{r}" if r else "")
             coordinator.route(topic, lambda _t, p, r=r: statuses[r].append(json.loads(p)) if p else None)
-        coordinator.start()
-        publisher = ArtifactPublisher(coordinator, topics)
-        publish_model(publisher, "v0", {"fp32": models[0]})
+        coordinator.start()  # this process's connection only watches the agent's status
+        publisher = _Publisher(broker.url, paths)
+        publisher.publish("v0", 0)
         agent = _start_agent(Path(tmp), broker.url, replicas)
         try:
             _wait(lambda: all(_latest(statuses[r], "version") == "v0" for r in statuses), 60, agent)
-            records, failures = _drive(config, publisher, models, swaps, rate_hz, statuses, agent)
+            records, failures = _drive(config, publisher, len(paths), swaps, rate_hz, statuses, agent)
             rss = _rss(agent.pid)
             finals = [statuses[r][-1] for r in statuses]
         finally:
             agent.terminate()
             agent.wait(30)
+            publisher.close()
             coordinator.close()
     logs = [[e for e in final["swap_log"] if e["version"] != "v0"] for final in finals]
     swaps_only = [(e["install_at"], e["swapped_at"]) for log in logs for e in log]  # every replica's
-    with_transfer = [(e["received_at"], e["swapped_at"]) for log in logs for e in log]
+    published = publisher.published_at
+    with_transfer = [
+        (min(e["received_at"], published.get(e["version"], e["received_at"])), e["swapped_at"])
+        for log in logs
+        for e in log
+    ]
     return {
         **_pause_figures(records, swaps_only, with_transfer),
         **{f"with_transfer_{k}": v for k, v in _pause_figures(records, with_transfer, with_transfer).items()},
@@ -90,6 +101,60 @@ def swap_over_broker(paths: list[Path], swaps: int = 20, rate_hz: float = 100.0,
         "version": finals[0]["version"],
         "agent_latency_ms": finals[0]["latency_ms"],
     }
+
+
+class _Publisher:
+    """The coordinator: a process that publishes version ``v`` of ``paths[i]`` when told ``"v i"``."""
+
+    _SCRIPT = (
+        "import sys\n"
+        "from fedge.bench._infer_swap import _publish_from_stdin\n"
+        "_publish_from_stdin(sys.argv[1], sys.argv[2:])\n"
+    )
+
+    def __init__(self, broker_url: str, paths: list[Path]) -> None:
+        self.published_at: dict[str, float] = {}
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", self._SCRIPT, broker_url, *map(os.fspath, paths)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def publish(self, version: str, index: int) -> None:
+        """Have the coordinator publish ``version`` (returns once its chunks and header are queued)."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(f"{version} {index}\n")
+        self._process.stdin.flush()
+        reply = self._process.stdout.readline().split()
+        if not reply or reply[0] != "published":
+            raise RuntimeError(f"the coordinator process failed to publish {version}")
+        self.published_at[version] = float(reply[1])
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+
+def _publish_from_stdin(broker_url: str, paths: list[str]) -> None:
+    """The coordinator process's loop (see :class:`_Publisher`)."""
+    models = [(Path(p).read_bytes(), read_manifest(Path(p))) for p in paths]
+    config = MqttConfig(broker_url=broker_url, fleet=_FLEET)
+    connection = MqttConnection(config, "bench-coordinator-publisher")
+    connection.start()
+    publisher = ArtifactPublisher(connection, Topics(_FLEET))
+    try:
+        for line in sys.stdin:
+            version, index = line.split()
+            started = time.time()
+            publish_model(publisher, version, {"fp32": models[int(index)]})
+            print(f"published {started}", flush=True)
+    finally:
+        connection.close()
 
 
 def _shift(windows: list[tuple[float, float]], by_s: float) -> list[tuple[float, float]]:
@@ -118,7 +183,7 @@ def _start_agent(tmp: Path, broker_url: str, replicas: int) -> subprocess.Popen:
     )
 
 
-def _drive(config, publisher, models, swaps, rate_hz, statuses, agent) -> tuple[list, dict]:
+def _drive(config, publisher, versions, swaps, rate_hz, statuses, agent) -> tuple[list, dict]:
     """Paced requests from one thread; swaps from this one. Returns (sent_at, latency_s, ok) records."""
     records: list[tuple[float, float, bool]] = []
     pending: list = []
@@ -140,8 +205,7 @@ def _drive(config, publisher, models, swaps, rate_hz, statuses, agent) -> tuple[
         thread.start()
         _wait(lambda: len(records) >= rate_hz, 30, agent)  # one second of baseline
         for i in range(1, swaps + 1):
-            data, manifest = models[i % len(models)]
-            publish_model(publisher, f"v{i}", {"fp32": (data, manifest)})
+            publisher.publish(f"v{i}", i % versions)
             _wait(lambda i=i: _all_swapped(statuses, i + 1), 60, agent)
             stop.wait(0.2)
         count = len(records)
@@ -210,10 +274,25 @@ def _rss(pid: int) -> dict:
     }
 
 
-def runtime_floor_rss() -> float:
-    """RSS (MB) of a process that only imports numpy and onnxruntime: no agent can be smaller."""
-    script = "import numpy, onnxruntime\nprint(open('/proc/self/status').read())"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+def runtime_floor_rss(model: Path | None = None) -> float:
+    """RSS (MB) of a process that only imports numpy and onnxruntime: no agent can be smaller.
+
+    With ``model``, the process also builds a default CPU session for it and runs it at batch 1 and 32
+    (zeros): the floor of any process that serves that model with ONNX Runtime (building a session touches
+    about 10 MB of the runtime's kernels, whatever the arena or thread settings).
+    """
+    script = "import sys, numpy, onnxruntime\n"
+    if model is not None:
+        script += (
+            "s = onnxruntime.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+            "i = s.get_inputs()[0]\n"
+            "for b in (1, 32):\n"
+            "    shape = [d if isinstance(d, int) else b for d in i.shape]\n"
+            "    s.run(None, {i.name: numpy.zeros(shape, numpy.float32)})\n"
+        )
+    script += "print(open('/proc/self/status').read())"
+    args = [sys.executable, "-c", script, *([os.fspath(model)] if model is not None else [])]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("VmRSS:"))
     return int(line.split()[1]) / 1024
 

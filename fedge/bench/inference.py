@@ -6,12 +6,14 @@ and 32, model bytes, accuracy (the CNN's digits test accuracy; for the ResNet, t
 on random inputs), and the variant :func:`fedge.inference.select_variant` serves. Then the hot-swap test
 over a real Mosquitto (a requester at 100 requests/s while the coordinator publishes 20 new versions to a
 ``fedge serve`` process; :mod:`fedge.bench._infer_swap`) and that agent's RSS beside the RSS of a bare
-``import numpy, onnxruntime`` (the floor no Python agent can go under).
+``import numpy, onnxruntime`` (the floor no Python agent can go under) and of a bare process that serves
+the model with ONNX Runtime (imports, one session, a run at batch 1 and 32).
 
 Headline: ``ort_speedup_vs_torch_batch1`` (CNN), ``int8_size_ratio`` (ResNet), ``int8_accuracy_drop_pp``
 (CNN), ``served_variant_never_slower``, ``swap_failed_requests``, ``swap_pause_p99_ms``,
 ``infer_agent_rss_mb`` (the agent process's RSS; ``infer_agent_rss_above_runtime_mb`` is what it adds to
-the runtime's floor, ``infer_agent_rss_bound_mb`` the model's size + 40) and ``infer_install_mb``
+the runtime's floor, ``infer_agent_rss_above_serving_floor_mb`` what it adds to a bare ORT process serving
+the same model, ``infer_agent_rss_bound_mb`` the model's size + 40) and ``infer_install_mb``
 (``pip download`` of the ``infer`` extra's closure; skipped with ``--quick``).
 """
 
@@ -204,6 +206,7 @@ def main() -> None:
         swap2 = swap_over_broker(versions, replicas=2)
         model_mb = cnn_fp32.stat().st_size / 1e6
         floor_mb = runtime_floor_rss()
+        serving_floor_mb = runtime_floor_rss(cnn_fp32)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     install_mb, install_files = _install_mb() if not args.quick else (None, "skipped with --quick")
@@ -273,6 +276,8 @@ def main() -> None:
         "infer_agent_rss_mb_two_replicas": swap2["agent_rss_mb"],
         "infer_runtime_floor_rss_mb": floor_mb,
         "infer_agent_rss_above_runtime_mb": swap["agent_rss_mb"] - floor_mb,
+        "infer_serving_floor_rss_mb": serving_floor_mb,
+        "infer_agent_rss_above_serving_floor_mb": swap["agent_rss_mb"] - serving_floor_mb,
         "infer_agent_rss_bound_mb": model_mb + 40,
         "infer_agent_loaded_torch": swap["agent_loaded_torch"],
         "infer_install_mb": install_mb,
