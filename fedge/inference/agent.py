@@ -21,6 +21,7 @@ paho-mqtt and typer; signed model headers are checked without ``cryptography``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,6 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +119,12 @@ class InferenceAgent:
                 verifier=verifier,
                 max_size=config.max_model_bytes,
                 max_chunk_size=config.mqtt.transfer.max_chunk_size,
+                fetch_turn=self._fetch_turn if self.group.shared else None,
             )
             for variant in config.variants
         }
         self._install_lock = threading.Lock()
+        self._turn_taken_at: dict[str, float] = {}  # version -> when this replica took its turn for it
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -253,9 +257,20 @@ class InferenceAgent:
             with self._install_lock:
                 self._install(version, candidates, time.time())
 
+    @contextlib.contextmanager
+    def _fetch_turn(self, header: ArtifactHeader) -> Iterator[bool]:
+        """With replicas, a version's variants are fetched in this replica's turn, out of the group."""
+        if len(self._turn_taken_at) >= 16:  # versions never installed (a variant lost) are forgotten
+            self._turn_taken_at.pop(next(iter(self._turn_taken_at)))
+        self._turn_taken_at.setdefault(header.version, time.time())
+        with self.group.out_of_group() as left:
+            yield left
+
     def _install(self, version: str, candidates: dict, received_at: float) -> None:
         """Choose among the candidates by measuring them here, then swap the chosen one in."""
-        times = {"received_at": received_at, "install_at": time.time()}
+        now = time.time()
+        # With replicas the swap began when this replica asked for its turn to fetch the version.
+        times = {"received_at": received_at, "install_at": min(now, self._turn_taken_at.pop(version, now))}
         with self.group.out_of_group() as left:  # with a live peer replica, no request waits for this work
             times["swap_started_at"] = time.time()
             try:

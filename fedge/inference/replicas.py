@@ -6,8 +6,10 @@ models; ``docs/inference.md``), so in one process a request that arrives during 
 (``$share/<node>/.../request``): the broker hands each request to one of them. A replica about to swap
 first takes the device's swap turn (a file lock, so the two never swap at once), leaves the shared
 subscription and waits for the broker's UNSUBACK (requests it already received are answered first, since
-paho handles packets in order), builds and swaps with no request in sight, rejoins, waits for the SUBACK
-and hands the turn on. Meanwhile the other replica answers every request. The price is a second process's
+paho handles packets in order), fetches the new version's chunks, builds and swaps with no request in
+sight, rejoins, waits for the SUBACK and hands the turn on. Meanwhile the other replica answers every
+request, and fetches nothing: a replica that received chunks while serving answered late (its paho
+threads share one GIL), so each replica fetches a version only in its turn. The price is a second process's
 memory, and a moment (one UNSUBACK round trip) in which the two replicas answer with different versions;
 each answer names its version.
 
@@ -81,6 +83,12 @@ class ReplicaGroup:
         self._peers: dict[int, dict] = {}
         self._handler: PropertiesHandler | None = None
         self._lock = threading.Lock()
+        # This process's holders of the turn (the fetch of each variant, then the install): the first takes
+        # the turn and leaves the group, the last rejoins and hands it on.
+        self._turn_mutex = threading.Lock()
+        self._holders = 0
+        self._turn_fd: int | None = None
+        self._left = False
 
     @property
     def shared(self) -> bool:
@@ -110,23 +118,34 @@ class ReplicaGroup:
     def out_of_group(self) -> Iterator[bool]:
         """Take the device's swap turn and leave the request group for the block, if a peer serves.
 
-        Yields whether this replica left (False: a single process, or no live peer: swap in place).
+        Threads of this process may hold it together (they share one turn). Yields whether this replica
+        left (False: a single process, or no live peer: swap in place).
         """
         if not self.shared:
             self.swaps_in_place += 1
             yield False
             return
-        with self._swap_turn():
-            left = self._peer_serving() and self._leave()
-            if not left:
-                self.swaps_in_place += 1
-                log.warning("no live replica of %s serves: swapping in place", self.node_id)
-            try:
-                yield left
-            finally:
-                if left:
-                    self._join()
-                    self.swaps_out_of_group += 1
+        with self._turn_mutex:
+            if self._holders == 0:
+                self._turn_fd = self._take_turn()
+                self._left = self._peer_serving() and self._leave()
+                if not self._left:
+                    self.swaps_in_place += 1
+                    log.warning("no live replica of %s serves: swapping in place", self.node_id)
+            self._holders += 1
+            left = self._left
+        try:
+            yield left
+        finally:
+            with self._turn_mutex:
+                self._holders -= 1
+                if self._holders == 0:
+                    if self._left:
+                        self._join()
+                        self.swaps_out_of_group += 1
+                    assert self._turn_fd is not None
+                    os.close(self._turn_fd)  # closing releases the lock
+                    self._turn_fd = None
 
     def _leave(self) -> bool:
         topic = self.topics.infer_request(self.node_id)
@@ -162,23 +181,17 @@ class ReplicaGroup:
             with self._lock:
                 self._peers[peer] = status
 
-    @contextlib.contextmanager
-    def _swap_turn(self) -> Iterator[None]:
-        """An exclusive lock on the device's swap-turn file (waits for the peer's swap to end)."""
+    def _take_turn(self) -> int:
+        """An exclusive lock on the device's swap-turn file (waits for the peer's turn to end)."""
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            deadline = time.monotonic() + _TURN_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"{self.lock_path} stayed locked for {_TURN_WAIT_S:.0f} s"
-                        ) from None
-                    time.sleep(0.005)  # the peer's swap takes milliseconds to seconds
-            yield
-        finally:
-            os.close(fd)  # closing releases the lock
+        deadline = time.monotonic() + _TURN_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise TimeoutError(f"{self.lock_path} stayed locked for {_TURN_WAIT_S:.0f} s") from None
+                time.sleep(0.005)  # the peer's turn takes milliseconds to seconds

@@ -14,12 +14,14 @@ older chunks are cleared with empty retained messages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from fedge.transport.artifacts import (
@@ -141,6 +143,13 @@ class ArtifactSubscriber:
         The version the device already holds (e.g. loaded from disk at start); its header is ignored. It
         becomes each version handed to ``on_artifact``, whether or not the consumer accepts it: a version
         the consumer refused is not fetched again.
+    fetch_turn : callable(ArtifactHeader) -> context manager, optional
+        Entered on the worker thread before a new version's chunks are fetched, left once ``on_artifact``
+        has returned (or after ``turn_timeout_s`` without the whole version: the transfer then goes on
+        outside it). A device whose serving replicas must not all be busy with a model at once fetches
+        in turn (:mod:`fedge.inference.replicas`). Without it, chunks are fetched as the header arrives.
+    turn_timeout_s : float, default 60
+        How long a transfer may hold the turn.
     """
 
     def __init__(
@@ -155,6 +164,8 @@ class ArtifactSubscriber:
         max_chunk_size: int = 4 * 1024 * 1024,
         current_version: str | None = None,
         on_failed: Callable[[str], None] | None = None,
+        fetch_turn: Callable[[ArtifactHeader], AbstractContextManager[object]] | None = None,
+        turn_timeout_s: float = 60.0,
     ) -> None:
         self.connection = connection
         self.on_failed = on_failed
@@ -165,14 +176,17 @@ class ArtifactSubscriber:
         self.max_size = max_size
         self.max_chunk_size = max_chunk_size
         self.current_version = current_version
+        self.fetch_turn = fetch_turn
+        self.turn_timeout_s = turn_timeout_s
         self.stats = ArtifactStats()
         self._lock = threading.Lock()
         self._assembler: ArtifactAssembler | None = None
         self._started_at = 0.0
         self._chunk_filter: str | None = None
         self._failed_versions: set[str] = set()
-        # (header, bytes, received at) to hand over; bytes None: that version failed its checksum
-        self._queue: queue.Queue[tuple[ArtifactHeader, bytes | None, float] | None] = queue.Queue()
+        # (header, bytes, received at) to hand over (bytes None: that version failed its checksum), or
+        # (header, chunk filter) to fetch in turn
+        self._queue: queue.Queue[_Work | None] = queue.Queue()
         self._worker = threading.Thread(target=self._deliver_loop, name=f"artifact-{name}", daemon=True)
 
     def start(self) -> None:
@@ -211,7 +225,10 @@ class ArtifactSubscriber:
             self.stats.receiving = header.version
             self._chunk_filter = self.topics.artifact_chunks(self.name, header.version)
         log.info("receiving %s %s (%d bytes)", self.name, header.version, header.size)
-        self.connection.route(self._chunk_filter, self._on_chunk)
+        if self.fetch_turn is not None:
+            self._queue.put((header, self._chunk_filter))  # the worker fetches once it has the turn
+        else:
+            self.connection.route(self._chunk_filter, self._on_chunk)
 
     def _read_header(self, payload: bytes) -> ArtifactHeader:
         if self.verifier is not None:
@@ -269,15 +286,59 @@ class ArtifactSubscriber:
     # -- the worker thread -----------------------------------------------------------------------------
     def _deliver_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            header, data, started_at = item
-            if data is None:
-                if self.on_failed is not None:
-                    self.on_failed(header.version)
-                continue
+            if len(item) == 2:
+                self._fetch_in_turn(*item)
+            else:
+                self._deliver(item)
+
+    def _fetch_in_turn(self, header: ArtifactHeader, chunk_filter: str) -> None:
+        """Take the turn, fetch the version's chunks and hand the version over before giving the turn back.
+
+        A newer header met while waiting is fetched in the same turn; a version not whole within
+        ``turn_timeout_s`` is handed over when it is, outside the turn.
+        """
+        assert self.fetch_turn is not None
+        with contextlib.ExitStack() as turn:
             try:
-                self.on_artifact(header, data, started_at)
-            except Exception as err:  # the consumer's bug must not end deliveries
-                self._refuse("consumer", f"{type(err).__name__}: {err}")
-                log.exception("consumer of %s %s failed", self.name, header.version)
-                continue
-            self.stats.delivered += 1
+                turn.enter_context(self.fetch_turn(header))
+            except Exception as err:  # e.g. the peer held the turn too long: fetch anyway
+                log.warning("fetching %s %s without the turn: %s", self.name, header.version, err)
+            deadline = time.monotonic() + self.turn_timeout_s
+            while True:
+                with self._lock:
+                    if self._chunk_filter == chunk_filter:  # not superseded or dropped meanwhile
+                        self.connection.route(chunk_filter, self._on_chunk)
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    log.warning(
+                        "%s %s is not whole after %.0f s; giving the turn back",
+                        self.name,
+                        header.version,
+                        self.turn_timeout_s,
+                    )
+                    return
+                if item is None:
+                    self._queue.put(None)  # stopping: let the loop see it
+                    return
+                if len(item) == 3:
+                    self._deliver(item)
+                    return
+                header, chunk_filter = item  # a newer version superseded this one
+
+    def _deliver(self, item: tuple[ArtifactHeader, bytes | None, float]) -> None:
+        header, data, started_at = item
+        if data is None:
+            if self.on_failed is not None:
+                self.on_failed(header.version)
+            return
+        try:
+            self.on_artifact(header, data, started_at)
+        except Exception as err:  # the consumer's bug must not end deliveries
+            self._refuse("consumer", f"{type(err).__name__}: {err}")
+            log.exception("consumer of %s %s failed", self.name, header.version)
+            return
+        self.stats.delivered += 1
+
+
+_Work = tuple[ArtifactHeader, bytes | None, float] | tuple[ArtifactHeader, str]

@@ -183,7 +183,8 @@ def test_transfer_interrupted_mid_way_resumes_from_retained_chunks(mqtt, coordin
 
 
 def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, variants, digits_test, tmp_path):
-    """With replicas = 2 each replica leaves the shared request group to swap while the other answers."""
+    """With replicas = 2 each replica leaves the shared request group to fetch and swap while the other
+    answers."""
     publisher = ArtifactPublisher(coordinator, Topics(coordinator.config.fleet))
     fp32_path, fp32 = variants["fp32"]
     int8_path, int8 = variants["int8-static"]
@@ -210,6 +211,16 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
             thread.start()
             wait_until(lambda: len(answers) >= 20)
             before = [r.group.swaps_out_of_group for r in replicas]  # v1 may or may not have found a peer
+            fetched_out_of_group: list[bool] = []  # for each chunk of v2: did its replica hold the turn, out?
+            for replica in replicas:
+                for subscriber in replica.subscribers.values():
+                    on_chunk, group = subscriber._on_chunk, replica.group
+
+                    def observed(topic, payload, on_chunk=on_chunk, group=group) -> None:
+                        fetched_out_of_group.append(group._holders > 0 and group._left)
+                        on_chunk(topic, payload)
+
+                    subscriber._on_chunk = observed
             files = {"fp32": (fp32_path.read_bytes(), fp32), "int8-static": (int8_path.read_bytes(), int8)}
             publish_model(publisher, "v2", files)
             wait_until(lambda: all(r.server.serving_version == "v2" for r in replicas))
@@ -220,6 +231,9 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
         assert answers[0] == "v1" and answers[-1] == "v2"
         after = [r.group.swaps_out_of_group for r in replicas]
         assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]  # v2: each swapped outside
+        # Both variants' chunks reached each replica only in its turn, out of the group: the serving replica
+        # spends nothing on a transfer.
+        assert len(fetched_out_of_group) >= 4 and all(fetched_out_of_group)
         assert all(r.requests > 0 for r in replicas), "the broker did not share the requests"
         assert sum(r.requests for r in replicas) == len(answers)
     finally:
