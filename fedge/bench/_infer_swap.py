@@ -10,9 +10,10 @@ requester took in its answers late while a version was being published (requests
 4-6 ms against 2-3 ms), a delay no device causes.
 
 The agent's status gives each replica's swap window, from the moment it starts installing the new
-version (built and warmed beside the old one; with two replicas, after leaving the request group) to the
-moment the new session serves; and the transfer before it, from the moment the coordinator began
-publishing the version (or its header arrived, if that is earlier; wall clock, the same machine's).
+version (built and warmed beside the old one; with two replicas, from the moment it asks for its turn, in
+which it leaves the request group and fetches the version) to the moment the new session serves; and the
+transfer before it, from the moment the coordinator began publishing the version (or its header arrived,
+if that is earlier; wall clock, the same machine's).
 
 Figures: failed requests (error answers or no answer within 5 s), requests whose flight overlaps a swap
 window, and ``pause_p99_ms`` = p99 latency of those requests minus p99 latency of the requests clear of

@@ -124,7 +124,7 @@ class InferenceAgent:
             for variant in config.variants
         }
         self._install_lock = threading.Lock()
-        self._turn_taken_at: dict[str, float] = {}  # version -> when this replica took its turn for it
+        self._turn_taken_at: dict[str, float] = {}  # version -> when this replica asked for its turn
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
