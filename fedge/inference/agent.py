@@ -263,7 +263,7 @@ class InferenceAgent:
         if len(self._turn_taken_at) >= 16:  # versions never installed (a variant lost) are forgotten
             self._turn_taken_at.pop(next(iter(self._turn_taken_at)))
         self._turn_taken_at.setdefault(header.version, time.time())
-        with self.group.out_of_group() as left:
+        with self.group.out_of_group(swap=False) as left:
             yield left
 
     def _install(self, version: str, candidates: dict, received_at: float) -> None:

@@ -89,6 +89,7 @@ class ReplicaGroup:
         self._holders = 0
         self._turn_fd: int | None = None
         self._left = False
+        self._swapped_in_turn = False
 
     @property
     def shared(self) -> bool:
@@ -115,14 +116,15 @@ class ReplicaGroup:
                 )
 
     @contextlib.contextmanager
-    def out_of_group(self) -> Iterator[bool]:
+    def out_of_group(self, *, swap: bool = True) -> Iterator[bool]:
         """Take the device's swap turn and leave the request group for the block, if a peer serves.
 
-        Threads of this process may hold it together (they share one turn). Yields whether this replica
-        left (False: a single process, or no live peer: swap in place).
+        Threads of this process may hold it together (they share one turn). ``swap`` says whether the
+        block swaps a model (counted in :attr:`swaps_out_of_group` or :attr:`swaps_in_place`) or only
+        fetches one. Yields whether this replica left (False: a single process, or no live peer: in place).
         """
         if not self.shared:
-            self.swaps_in_place += 1
+            self.swaps_in_place += swap
             yield False
             return
         with self._turn_mutex:
@@ -130,9 +132,9 @@ class ReplicaGroup:
                 self._turn_fd = self._take_turn()
                 self._left = self._peer_serving() and self._leave()
                 if not self._left:
-                    self.swaps_in_place += 1
-                    log.warning("no live replica of %s serves: swapping in place", self.node_id)
+                    log.warning("no live replica of %s serves: working in place", self.node_id)
             self._holders += 1
+            self._swapped_in_turn |= swap
             left = self._left
         try:
             yield left
@@ -142,7 +144,10 @@ class ReplicaGroup:
                 if self._holders == 0:
                     if self._left:
                         self._join()
-                        self.swaps_out_of_group += 1
+                        self.swaps_out_of_group += self._swapped_in_turn
+                    else:
+                        self.swaps_in_place += self._swapped_in_turn
+                    self._swapped_in_turn = False
                     assert self._turn_fd is not None
                     os.close(self._turn_fd)  # closing releases the lock
                     self._turn_fd = None
