@@ -61,6 +61,7 @@ __all__ = ["InferenceAgent", "InferenceAgentConfig"]
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
+_VARIANTS_WAIT_S = 5.0  # how long a fetch turn waits for the rest of its version's variants
 
 
 class InferenceAgent:
@@ -265,6 +266,11 @@ class InferenceAgent:
         self._turn_taken_at.setdefault(header.version, time.time())
         with self.group.out_of_group(swap=False) as left:
             yield left
+            # The version's other variants are on their way (they are published back to back): keep the
+            # turn for them, so the replica leaves and rejoins the request group once per version.
+            deadline = time.monotonic() + _VARIANTS_WAIT_S
+            while self.collector.waiting(header.version) and time.monotonic() < deadline:
+                time.sleep(0.005)
 
     def _install(self, version: str, candidates: dict, received_at: float) -> None:
         """Choose among the candidates by measuring them here, then swap the chosen one in."""

@@ -84,6 +84,11 @@ class VariantCollector:
             self._failed.setdefault(version, set()).add(variant)
             return self._complete(version)
 
+    def waiting(self, version: str) -> bool:
+        """Whether some variants of ``version`` are in and others are still expected."""
+        with self._lock:
+            return version in self._pending
+
     def _complete(self, version: str) -> Candidates | None:
         candidates = self._pending.get(version, {})
         waiting = self._expected.get(version, set()) - set(candidates) - self._failed.get(version, set())

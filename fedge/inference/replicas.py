@@ -80,6 +80,7 @@ class ReplicaGroup:
         self.stale_after_s = stale_after_s
         self.swaps_out_of_group = 0
         self.swaps_in_place = 0
+        self.turns = 0  # swap turns taken (with a peer serving, each one leave and rejoin of the group)
         self._peers: dict[int, dict] = {}
         self._handler: PropertiesHandler | None = None
         self._lock = threading.Lock()
@@ -130,6 +131,7 @@ class ReplicaGroup:
         with self._turn_mutex:
             if self._holders == 0:
                 self._turn_fd = self._take_turn()
+                self.turns += 1
                 self._left = self._peer_serving() and self._leave()
                 if not self._left:
                     log.warning("no live replica of %s serves: working in place", self.node_id)

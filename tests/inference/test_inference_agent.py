@@ -211,6 +211,7 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
             thread.start()
             wait_until(lambda: len(answers) >= 20)
             before = [r.group.swaps_out_of_group for r in replicas]  # v1 may or may not have found a peer
+            turns_before = [r.group.turns for r in replicas]
             fetched_out_of_group: list[bool] = []  # for each chunk of v2: did its replica hold the turn, out?
             for replica in replicas:
                 for subscriber in replica.subscribers.values():
@@ -231,6 +232,8 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
         assert answers[0] == "v1" and answers[-1] == "v2"
         after = [r.group.swaps_out_of_group for r in replicas]
         assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]  # v2: each swapped outside
+        # ... in one turn each: the fetches of both variants and the swap (one leave and rejoin per version)
+        assert [r.group.turns - b for r, b in zip(replicas, turns_before, strict=True)] == [1, 1]
         # Both variants' chunks reached each replica only in its turn, out of the group: the serving replica
         # spends nothing on a transfer.
         assert len(fetched_out_of_group) >= 4 and all(fetched_out_of_group)
