@@ -125,7 +125,7 @@ class ReplicaGroup:
         fetches one. Yields whether this replica left (False: a single process, or no live peer: in place).
         """
         if not self.shared:
-            self.swaps_in_place += swap
+            self.swaps_in_place += int(swap)
             yield False
             return
         with self._turn_mutex:
@@ -146,9 +146,9 @@ class ReplicaGroup:
                 if self._holders == 0:
                     if self._left:
                         self._join()
-                        self.swaps_out_of_group += self._swapped_in_turn
+                        self.swaps_out_of_group += int(self._swapped_in_turn)
                     else:
-                        self.swaps_in_place += self._swapped_in_turn
+                        self.swaps_in_place += int(self._swapped_in_turn)
                     self._swapped_in_turn = False
                     assert self._turn_fd is not None
                     os.close(self._turn_fd)  # closing releases the lock
