@@ -268,9 +268,7 @@ class InferenceAgent:
             yield left
             # The version's other variants are on their way (they are published back to back): keep the
             # turn for them, so the replica leaves and rejoins the request group once per version.
-            deadline = time.monotonic() + _VARIANTS_WAIT_S
-            while self.collector.waiting(header.version) and time.monotonic() < deadline:
-                time.sleep(0.005)
+            self.collector.wait_for_rest(header.version, _VARIANTS_WAIT_S)
 
     def _install(self, version: str, candidates: dict, received_at: float) -> None:
         """Choose among the candidates by measuring them here, then swap the chosen one in."""

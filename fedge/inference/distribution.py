@@ -65,7 +65,7 @@ class VariantCollector:
         if "fp32" not in accepted:
             raise ValueError("a device must accept the fp32 variant")
         self.accepted = accepted
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when versions leave the pending table
         self._pending: dict[str, Candidates] = {}
         self._expected: dict[str, set[str]] = {}
         self._failed: dict[str, set[str]] = {}
@@ -84,10 +84,11 @@ class VariantCollector:
             self._failed.setdefault(version, set()).add(variant)
             return self._complete(version)
 
-    def waiting(self, version: str) -> bool:
-        """Whether some variants of ``version`` are in and others are still expected."""
+    def wait_for_rest(self, version: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds while some variants of ``version`` are in and others are still
+        expected; returns whether none are (the version is whole, superseded, or never started)."""
         with self._lock:
-            return version in self._pending
+            return self._lock.wait_for(lambda: version not in self._pending, timeout)
 
     def _complete(self, version: str) -> Candidates | None:
         candidates = self._pending.get(version, {})
@@ -99,6 +100,7 @@ class VariantCollector:
         for table in (self._pending, self._expected, self._failed):
             for old in done:
                 table.pop(old, None)
+        self._lock.notify_all()
         return candidates
 
 
