@@ -58,7 +58,12 @@ def _training_floor_s(app: AppConfig, clients: int, workers: int, repeats: int =
             task.train(model, data, train)
         one_round = min(one_round, time.perf_counter() - start)
     torch.set_num_threads(threads)
-    return one_round * app.rounds * app.fraction_train / min(workers, os.cpu_count() or 1)
+    return one_round * app.rounds * app.fraction_train / _busy_cores(workers)
+
+
+def _busy_cores(workers: int) -> int:
+    """Cores the local engine's workers keep busy at once."""
+    return min(workers, os.cpu_count() or 1)
 
 
 def _cpu_s() -> tuple[float, float]:
@@ -109,7 +114,7 @@ def main() -> None:
             "local_worker_cpu_s": local["worker_cpu_s"],
             "local_coordinator_cpu_s": local["coordinator_cpu_s"],
             "local_efficiency_cpu_bound": floor_s
-            / ((local["worker_cpu_s"] + local["coordinator_cpu_s"]) / min(workers, os.cpu_count() or 1)),
+            / ((local["worker_cpu_s"] + local["coordinator_cpu_s"]) / _busy_cores(workers)),
         },
     }
     emit(result, as_json=args.json, title="local engine vs Flower's Ray engine", rows=rows)
