@@ -30,7 +30,7 @@ import struct
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedge.compression.bits import put_varint
-from fedge.flower.compat import message_to_bytes
+from fedge.flower.compat import message_proto_size, message_to_bytes
 from fedge.protocol.records import UPDATE_KEY
 
 __all__ = [
@@ -89,11 +89,11 @@ def encode_message(message: Message) -> bytes:
 
 def wire_size(message: Message, protobuf_size: int | None = None) -> int:
     """``len(encode_message(message))``; ``protobuf_size``, the length of the message's protobuf if the
-    caller has it, spares serializing the message again when it does not travel as an envelope."""
+    caller has it, spares computing it when the message does not travel as an envelope."""
     envelope = _encode_envelope(message)
     if envelope is not None:
         return len(envelope)
-    return protobuf_size if protobuf_size is not None else len(message_to_bytes(message))
+    return protobuf_size if protobuf_size is not None else message_proto_size(message)
 
 
 def decode_content(data: bytes | bytearray | memoryview) -> RecordDict:

@@ -4,10 +4,15 @@ Flower's own simulation engine starts Ray, an actor per worker and a SuperLink s
 overhead per run that dominate small experiments. :class:`LocalGrid` keeps only what the semantics need:
 one ``Context`` per virtual node that persists across rounds (so client state such as error-feedback
 residuals survives), messages that cross a serialization boundary (so the server and the clients never
-share arrays, and what is counted is what would travel) and a pool of forked worker processes (client
-training is Python-heavy, so threads would queue on the GIL; :mod:`fedge.simulation.workers` keeps a dying
-worker from taking other nodes' calls down with it). Replies come back in the order the messages were
-pushed, so equal seeds give equal runs.
+share arrays) and a pool of forked worker processes (client training is Python-heavy, so threads would
+queue on the GIL; :mod:`fedge.simulation.workers` keeps a dying worker from taking other nodes' calls down
+with it). Replies come back in the order the messages were pushed, so equal seeds give equal runs.
+
+Messages and contexts cross to the workers pickled: the workers are this process's own forked children and
+the pipes private to them, and pickle moves a model's arrays about six times faster than Flower's protobuf
+(0.02 ms against 0.13-0.17 ms each way for the digits CNN, on every call). What is counted is still what
+would travel: each message's length on Flower's wire (or as fedge's compact envelope), computed without
+encoding it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing
+import pickle
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,15 +32,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from fedge.flower.compat import (
-    SUPERLINK_NODE_ID,
-    MessageEncoder,
-    context_from_bytes,
-    context_to_bytes,
-    message_from_bytes,
-    message_to_bytes,
-    set_message_id,
-)
+from fedge.flower.compat import SUPERLINK_NODE_ID, message_proto_size, set_message_id
 from fedge.flower.grid import RunGrid
 from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.protocol.envelope import wire_size
@@ -52,11 +50,14 @@ def _init_worker() -> None:
 
 def _call_client(client_app: ClientApp, payload: bytes, context_bytes: bytes) -> tuple[bytes, bytes]:
     """One ClientApp call, as a SuperNode makes it: message and context in, reply and new context out."""
-    message = message_from_bytes(payload)
-    context = context_from_bytes(context_bytes)
+    message, context = pickle.loads(payload), pickle.loads(context_bytes)
     reply = call_client_app(client_app, message, context)
     set_message_id(reply, uuid.uuid4().hex)
-    return message_to_bytes(reply), context_to_bytes(context)
+    return _dumps(reply), _dumps(context)
+
+
+def _dumps(value: Message | Context) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class _ThreadPool:
@@ -132,15 +133,15 @@ class LocalGrid(RunGrid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids, encoder = [], MessageEncoder()
+        ids = []
         for message in messages:
             node_id = message.metadata.dst_node_id
             if node_id not in self.contexts:
                 raise ValueError(f"no node {node_id} in this grid")
             message_id = uuid.uuid4().hex
             set_message_id(message, message_id)
-            payload, context = encoder.encode(message), context_to_bytes(self.contexts[node_id])
-            self._report_wire(message, payload)
+            self._report_wire(message, message_proto_size(message))
+            payload, context = _dumps(message), _dumps(self.contexts[node_id])
             self._pending[message_id] = (message, self._pool.submit(payload, context))
             ids.append(message_id)
         return ids
@@ -182,7 +183,7 @@ class LocalGrid(RunGrid):
             reply = error_reply(message, ErrorCode.CLIENT_APP_CRASHED, str(err))
             set_message_id(reply, uuid.uuid4().hex)
             return reply
-        self.contexts[message.metadata.dst_node_id] = context_from_bytes(context)
-        reply = message_from_bytes(reply_bytes)
-        self._report_wire(reply, wire_size(reply, len(reply_bytes)))  # what fedge's MQTT transport sends
+        self.contexts[message.metadata.dst_node_id] = pickle.loads(context)
+        reply = pickle.loads(reply_bytes)
+        self._report_wire(reply, wire_size(reply))  # what fedge's MQTT transport sends
         return reply

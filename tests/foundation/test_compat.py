@@ -114,3 +114,41 @@ def test_message_encoder_gives_the_bytes_of_message_to_bytes_and_encodes_shared_
     assert [encoder.encode(message) for message in messages] == expected
     assert len(calls) == 2  # the shared content once, the empty one once
     assert message_from_bytes(expected[1]).metadata.dst_node_id == 6
+
+
+def _sized_messages() -> list[Message]:
+    """Messages covering each branch of the protobuf schema: varint widths, empty fields, all record types."""
+    from flwr.app import Error
+
+    set_task_identity(run_id=2**40)
+    rng = np.random.default_rng(0)
+    arrays = ArrayRecord(
+        {
+            "scalar": Array(np.full((), 3.5)),
+            "empty": Array(np.zeros((0, 7), dtype=np.int8)),
+            "wide": Array(np.ones((1, 20_000), dtype=np.float16)),  # a 3-byte varint dimension
+            "big": Array(rng.standard_normal(600_000).astype(np.float32)),  # a 4-byte varint length
+            "ключ": Array(np.arange(5, dtype=np.int64)),  # a key longer in UTF-8 than in characters
+            "raw": Array(dtype="", shape=(3, -1), stype="", data=b""),  # empty strings, a negative int32
+        }
+    )
+    metrics = MetricRecord({"loss": 0.25, "n": 2**40, "curve": [0.1, 0.2]})
+    config = ConfigRecord({"blob": b"\x00" * 300, "name": "x" * 200, "flag": True, "ids": [1, 2, 3]})
+    instruction = Message(
+        RecordDict({"arrays": arrays, "metrics": metrics, "config": config, "": ArrayRecord()}),
+        dst_node_id=2**63 - 1,
+        message_type="train",
+        group_id="7",
+    )
+    set_message_id(instruction, "x" * 64)
+    reply = Message(RecordDict({"metrics": MetricRecord({"accuracy": 0.5})}), reply_to=instruction)
+    error = Message(Error(code=3, reason="it broke " * 30), reply_to=instruction)
+    empty = Message(RecordDict(), dst_node_id=1, message_type="evaluate")
+    return [instruction, reply, error, empty, _instruction()]
+
+
+def test_message_proto_size_is_the_length_of_flowers_encoding():
+    from fedge.flower.compat import message_proto_size
+
+    for message in _sized_messages():
+        assert message_proto_size(message) == len(message_to_bytes(message))
