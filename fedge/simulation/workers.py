@@ -6,6 +6,9 @@ and so would most of a round. :class:`WorkerPool` talks to each worker over its 
 call a dead worker was running: that call alone fails with :class:`WorkerDied`, and a fresh worker takes
 the dead one's place. There are no background threads: the caller drives the pool through :meth:`wait`,
 and workers are only ever forked from the calling thread.
+
+Calls may name a *shared* blob (the round's global model, the same for every client): each worker keeps
+the last one it received, so the blob crosses to a worker once rather than with every call.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import multiprocessing
 import signal
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -26,8 +29,22 @@ from typing import Any
 
 __all__ = ["WorkerDied", "WorkerPool"]
 
-Call = Callable[[bytes, bytes], tuple[bytes, bytes]]
-"""What a worker runs: two byte strings in (message, context), two out (reply, context)."""
+Call = Callable[[bytes, bytes, bytes | None], tuple[bytes, bytes]]
+"""What a worker runs: message, context and the call's shared blob (or None) in; reply and context out."""
+
+Shared = tuple[Hashable, bytes]
+"""A blob many calls share, and the key that names it (equal keys: equal blobs)."""
+
+# The first frame of a call says what the worker's shared blob is for it.
+_NO_SHARED, _SAME_SHARED, _NEW_SHARED = b"0", b"=", b"+"
+
+
+@dataclass
+class _Job:
+    future: Future[tuple[bytes, bytes]]
+    payload: bytes
+    context: bytes
+    shared: Shared | None
 
 
 class WorkerDied(RuntimeError):
@@ -38,7 +55,9 @@ class WorkerDied(RuntimeError):
 class _Worker:
     process: BaseProcess
     conn: Connection
-    job: tuple[Future[tuple[bytes, bytes]], bytes, bytes] | None = None
+    job: _Job | None = None
+    shared_key: Hashable = None  # the key of the shared blob the worker holds
+    holds_shared: bool = False
 
 
 class WorkerPool:
@@ -46,7 +65,7 @@ class WorkerPool:
 
     Parameters
     ----------
-    call : callable(bytes, bytes) -> (bytes, bytes)
+    call : callable(bytes, bytes, bytes or None) -> (bytes, bytes)
         Run in the workers; inherited through fork, so it need not be picklable.
     size : int
         Worker processes (started on first use, replaced when one dies).
@@ -62,12 +81,18 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         # Workers exit when their pipe closes; close them before multiprocessing joins its children at exit.
         weakref.finalize(self, _close_pipes, self._workers)
-        self._queue: collections.deque[tuple[Future[tuple[bytes, bytes]], bytes, bytes]] = collections.deque()
+        self._queue: collections.deque[_Job] = collections.deque()
 
-    def submit(self, payload: bytes, context: bytes) -> Future[tuple[bytes, bytes]]:
-        """Queue one call; it starts when a worker is free (during :meth:`submit` or :meth:`wait`)."""
+    def submit(
+        self, payload: bytes, context: bytes, shared: Shared | None = None
+    ) -> Future[tuple[bytes, bytes]]:
+        """Queue one call; it starts when a worker is free (during :meth:`submit` or :meth:`wait`).
+
+        ``shared`` is a ``(key, blob)`` many calls pass: a worker that last received ``key`` is not sent
+        the blob again.
+        """
         future: Future[tuple[bytes, bytes]] = Future()
-        self._queue.append((future, payload, context))
+        self._queue.append(_Job(future, payload, context, shared))
         self._dispatch()
         return future
 
@@ -88,15 +113,17 @@ class WorkerPool:
     def cancel(self, futures: Iterable[Future[Any]]) -> None:
         """Stop calls: queued ones are dropped, running ones end with their worker (a new one takes over)."""
         targets = set(futures)
-        self._queue = collections.deque(j for j in self._queue if not (j[0] in targets and j[0].cancel()))
-        for worker in [w for w in self._workers if w.job is not None and w.job[0] in targets]:
+        self._queue = collections.deque(
+            j for j in self._queue if not (j.future in targets and j.future.cancel())
+        )
+        for worker in [w for w in self._workers if w.job is not None and w.job.future in targets]:
             worker.process.kill()
             self._bury(worker, cause="stopped: it ran past its deadline")
 
     def shutdown(self, *, cancel: bool = False) -> None:
         """Finish queued and running calls (``cancel``: drop them, killing busy workers), then stop the
         workers."""
-        pending = [job[0] for job in self._queue] + [w.job[0] for w in self._workers if w.job]
+        pending = [job.future for job in self._queue] + [w.job.future for w in self._workers if w.job]
         if cancel:
             self.cancel(pending)
         self.wait(pending)
@@ -117,11 +144,10 @@ class WorkerPool:
             if worker is None:
                 return
             job = self._queue.popleft()
-            if not job[0].running() and not job[0].set_running_or_notify_cancel():
+            if not job.future.running() and not job.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             try:
-                worker.conn.send_bytes(job[1])
-                worker.conn.send_bytes(job[2])
+                _send(worker, job)
             except OSError:  # the worker died while idle: not this call's doing, so it goes first again
                 self._bury(worker)
                 self._queue.appendleft(job)
@@ -141,7 +167,7 @@ class WorkerPool:
             except (EOFError, OSError):
                 self._bury(worker)
                 continue
-            future, worker.job = worker.job[0], None  # type: ignore[index]
+            future, worker.job = worker.job.future, None  # type: ignore[union-attr]
             future.set_result((reply, context))
         self._dispatch()
 
@@ -180,7 +206,22 @@ class WorkerPool:
             code = worker.process.exitcode
             if not cause:
                 cause = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            worker.job[0].set_exception(WorkerDied(f"the ClientApp's worker process died ({cause})"))
+            worker.job.future.set_exception(WorkerDied(f"the ClientApp's worker process died ({cause})"))
+
+
+def _send(worker: _Worker, job: _Job) -> None:
+    """A call's frames: what the shared blob is (and the blob, if the worker lacks it), payload, context."""
+    if job.shared is None:
+        worker.conn.send_bytes(_NO_SHARED)
+    elif worker.holds_shared and worker.shared_key == job.shared[0]:
+        worker.conn.send_bytes(_SAME_SHARED)
+    else:
+        worker.holds_shared = False  # until the blob is wholly sent
+        worker.conn.send_bytes(_NEW_SHARED)
+        worker.conn.send_bytes(job.shared[1])
+        worker.shared_key, worker.holds_shared = job.shared[0], True
+    worker.conn.send_bytes(job.payload)
+    worker.conn.send_bytes(job.context)
 
 
 def _close_pipes(workers: list[_Worker]) -> None:
@@ -191,18 +232,22 @@ def _close_pipes(workers: list[_Worker]) -> None:
 def _serve(
     conn: Connection, inherited: list[Connection], call: Call, initializer: Callable[[], None] | None
 ) -> None:
-    """A worker's life: read a call's two byte strings, run it, write its two, until the pipe closes."""
+    """A worker's life: read a call's frames, run it, write its two byte strings, until the pipe closes."""
     for other in inherited:
         other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinating process's to handle
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked around the fork by the parent
     if initializer is not None:
         initializer()
+    held: bytes | None = None
     while True:
         try:
+            kind = conn.recv_bytes()
+            if kind == _NEW_SHARED:
+                held = conn.recv_bytes()
             payload, context = conn.recv_bytes(), conn.recv_bytes()
         except (EOFError, OSError):
             return
-        reply, new_context = call(payload, context)
+        reply, new_context = call(payload, context, None if kind == _NO_SHARED else held)
         conn.send_bytes(reply)
         conn.send_bytes(new_context)

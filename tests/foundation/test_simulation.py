@@ -5,7 +5,8 @@ import os
 import signal
 import time
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import FedAvg
@@ -91,6 +92,50 @@ def test_node_context_persists_across_rounds():
         grid.shutdown()
     assert sorted(r.content["metrics"]["calls"] for r in replies) == [2, 2, 2]
     assert [r.metadata.src_node_id for r in replies] == list(grid.get_node_ids())
+
+
+@pytest.mark.parametrize("processes", [True, False])
+def test_every_call_gets_its_own_copy_of_a_shared_content_and_wire_sizes_are_flowers(processes):
+    """One content object goes to every node (as a strategy sends the global model): a client that changes
+    what it received changes nothing another client, or the coordinator, sees."""
+    import numpy as np
+
+    from fedge.flower.compat import message_to_bytes
+    from fedge.protocol.envelope import encode_message
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        weights = msg.content["arrays"]["w"].numpy()
+        seen = MetricRecord(
+            {"num-examples": 1, "first": float(weights[0]), "tag": msg.content["config"]["n"]}
+        )
+        msg.content["config"]["n"] = int(msg.content["config"]["n"]) + 1
+        msg.content["arrays"]["w"] = Array(weights + 1.0)
+        return Message(RecordDict({"metrics": seen}), reply_to=msg)
+
+    grid = LocalGrid(app, num_nodes=6, workers=2, processes=processes)
+    sizes: list[tuple[Message, int]] = []
+    grid.on_wire = lambda message, size: sizes.append((message, size))
+    set_task_identity(run_id=1)
+    content = RecordDict(
+        {"arrays": ArrayRecord({"w": Array(np.zeros(50_000, np.float32))}), "config": ConfigRecord({"n": 0})}
+    )
+    try:
+        for _ in range(2):
+            messages = [Message(content, node, "train") for node in grid.get_node_ids()]
+            replies = list(grid.send_and_receive(messages))
+            assert [(r.content["metrics"]["first"], r.content["metrics"]["tag"]) for r in replies] == [
+                (0.0, 0)
+            ] * 6
+    finally:
+        grid.shutdown()
+    assert content["config"]["n"] == 0 and not content["arrays"]["w"].numpy().any()
+    # what would travel: Flower's protobuf for an instruction, fedge's MQTT encoding for a reply
+    assert len(sizes) == 24 and all(size == len(encode_message(m)) for m, size in sizes)
+    instructions = [(m, size) for m, size in sizes if not m.metadata.reply_to_message_id]
+    assert len(instructions) == 12 and all(size == len(message_to_bytes(m)) for m, size in instructions)
 
 
 def test_pushed_messages_are_pulled_by_polling():

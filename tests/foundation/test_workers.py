@@ -9,7 +9,7 @@ import pytest
 from fedge.simulation.workers import WorkerDied, WorkerPool
 
 
-def _call(payload: bytes, context: bytes) -> tuple[bytes, bytes]:
+def _call(payload: bytes, context: bytes, shared: bytes | None = None) -> tuple[bytes, bytes]:
     """Echo reversed, reply with this worker's pid; b"exit" and b"kill" end the worker mid-call."""
     if payload == b"exit":
         os._exit(7)
@@ -57,6 +57,40 @@ def test_a_worker_that_died_while_idle_costs_no_call(pool):
     assert all(f.result()[0] == b"b" for f in later)
 
 
+def _shared(payload: bytes, context: bytes, shared: bytes | None) -> tuple[bytes, bytes]:
+    """Reply with the shared blob and which object it is in this worker (the same object until a new
+    blob arrives); b"kill" ends the worker mid-call."""
+    if payload == b"kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return (shared or b"-"), f"{os.getpid()}:{id(shared)}".encode()
+
+
+def test_a_shared_blob_reaches_each_worker_once_and_every_call_that_names_it():
+    pool = WorkerPool(_shared, size=2)
+    try:
+        first = [pool.submit(b"", b"", ("round-1", b"A" * 100_000)) for _ in range(12)]
+        pool.wait(first)
+        assert all(f.result()[0] == b"A" * 100_000 for f in first)
+        # one blob object per worker: it crossed once, and later calls used the copy the worker held
+        by_worker: dict[bytes, set[bytes]] = {}
+        for f in first:
+            pid, blob = f.result()[1].split(b":")
+            by_worker.setdefault(pid, set()).add(blob)
+        assert all(len(blobs) == 1 for blobs in by_worker.values())
+        mixed = [pool.submit(b"", b"", ("round-2", b"B")), pool.submit(b"", b""), pool.submit(b"", b"", None)]
+        mixed += [pool.submit(b"", b"", ("round-2", b"B")) for _ in range(4)]
+        pool.wait(mixed)
+        assert [f.result()[0] for f in mixed] == [b"B", b"-", b"-", b"B", b"B", b"B", b"B"]
+        # a worker that dies mid-call is replaced, and its successor is sent the blob afresh
+        dead = pool.submit(b"kill", b"", ("round-2", b"B"))
+        pool.wait([dead])
+        after = [pool.submit(b"", b"", ("round-2", b"B")) for _ in range(4)]
+        pool.wait(after)
+        assert all(f.result()[0] == b"B" for f in after)
+    finally:
+        pool.shutdown()
+
+
 def test_wait_returns_at_its_timeout_and_shutdown_finishes_queued_calls():
     pool = WorkerPool(_call, size=1)
     slow, queued = pool.submit(b"sleep0.5", b""), pool.submit(b"q", b"")
@@ -92,7 +126,7 @@ def test_cancel_drops_queued_calls_and_stops_running_ones():
         pool.shutdown()
 
 
-def _collect(payload: bytes, context: bytes) -> tuple[bytes, bytes]:
+def _collect(payload: bytes, context: bytes, shared: bytes | None) -> tuple[bytes, bytes]:
     import gc
 
     return str(gc.collect()).encode(), b""
