@@ -3,7 +3,9 @@
 Both engines must do the same client training, so neither can be faster than that training spread over the
 worker processes. The bench measures it (every client's training once, in this process, the fastest of three
 such passes, times the rounds, over the workers) as ``training_floor_s``, and judges the engine by what it
-adds above it:
+adds above it. Each engine is timed the same way as the floor: the fastest of three whole runs (one with
+``--quick``), since other work on the machine only ever adds time; every run's wall time is in the JSON
+(``wall_s_runs``).
 
 * ``overhead_ratio``: Ray's seconds above the floor over the local engine's (goal >= 20);
 * ``local_efficiency``: the floor over the local engine's wall seconds (goal >= 0.8);
@@ -72,6 +74,21 @@ def _cpu_s() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
+def _timed_run(config: SimulationConfig) -> dict:
+    """One whole run: its wall seconds, final accuracy and (local engine) where its CPU time went."""
+    before = _cpu_s()
+    with timed() as t:
+        history = run_simulation(config)
+    after = _cpu_s()
+    return {
+        "wall_s": t["wall_s"],
+        "final_accuracy": history.rounds[-1].accuracy,
+        # the local engine's workers are this process's children, reaped when the run ends
+        "worker_cpu_s": after[1] - before[1],
+        "coordinator_cpu_s": after[0] - before[0],
+    }
+
+
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     clients, rounds = (10, 3) if args.quick else (50, 10)
@@ -84,18 +101,12 @@ def main() -> None:
     rows, results = [], {}
     for engine in ("local", "ray"):
         config = SimulationConfig(clients=clients, engine=engine, workers=workers, app=app)
-        before = _cpu_s()
-        with timed() as t:
-            history = run_simulation(config)
-        after = _cpu_s()
-        results[engine] = {
-            "wall_s": t["wall_s"],
-            "overhead_s": t["wall_s"] - floor_s,
-            "final_accuracy": history.rounds[-1].accuracy,
-        }
-        if engine == "local":  # its workers are this process's children, reaped when the run ends
-            results[engine]["worker_cpu_s"] = after[1] - before[1]
-            results[engine]["coordinator_cpu_s"] = after[0] - before[0]
+        runs = [_timed_run(config) for _ in range(1 if args.quick else 3)]
+        best = min(runs, key=lambda run: run["wall_s"])
+        results[engine] = {**best, "overhead_s": best["wall_s"] - floor_s}
+        results[engine]["wall_s_runs"] = [run["wall_s"] for run in runs]
+        if engine != "local":  # only the local engine's workers are this process's children
+            del results[engine]["worker_cpu_s"], results[engine]["coordinator_cpu_s"]
         rows.append({"engine": engine, "clients": clients, "rounds": rounds, **results[engine]})
     local, ray = results["local"], results["ray"]
     result = {
