@@ -12,8 +12,12 @@ within ``timeout`` seconds while nothing else arrives) frees its slot at once, a
 with the current model. Refilling at aggregations, not at every arrival, means every new client trains on
 the newest model, and with ``K = C`` the loop is synchronous FedAvg (up to float rounding). A client
 whose reply waits in the buffer is not sent work again until the buffer is aggregated (its next
-instruction says whether its update counted, which error feedback needs). A resumed run (the runner's
-``resume``) is not supported yet: its wrapper runs Flower's synchronous loop, which this strategy refuses.
+instruction says whether its update counted, which error feedback needs).
+
+A restarted coordinator resumes a run (:meth:`FedBuffStrategy.resume_at`, which the round runner calls):
+versions go on from the checkpoint's, the server optimizer's moments and the map of counted updates are
+restored (:meth:`~FedBuffStrategy.load_state_dict`), and the clients that were in flight or buffered when
+it stopped lost their work (nothing of theirs is in the checkpointed model), as a client cut off does.
 
 What "arrival order" means is the Grid's business: on fedge's MQTT Grid or the local engine it is real
 time (the loop polls ``pull_messages``); on :class:`fedge.simulation.clock_grid.ClockGrid` each pull
@@ -42,7 +46,12 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedge.compression import CodecError, decode_add
 from fedge.protocol.records import arrays_to_record, record_to_arrays
-from fedge.server.channel import CompressedChannel, CompressionConfig
+from fedge.server.channel import (
+    COUNTED_NODES_KEY,
+    COUNTED_VERSIONS_KEY,
+    CompressedChannel,
+    CompressionConfig,
+)
 from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.runner import RunFailed
@@ -108,6 +117,7 @@ class FedBuffStrategy(Strategy):
         self._in_flight: dict[str, _Dispatch] = {}  # message id -> dispatch, until its reply is pulled
         self._arrived: dict[str, _Dispatch] = {}  # message id -> dispatch, while its reply is buffered
         self._metrics: dict[int, dict[str, float]] = {}
+        self._first_version = 0  # the version start() begins at: a resumed run's checkpointed round
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -131,8 +141,8 @@ class FedBuffStrategy(Strategy):
         ``server_round`` is not used: the instructions carry the state's version. Nodes in flight or whose
         reply waits in the buffer are not idle. Only :meth:`start`'s loop calls it.
         """
-        if self.state is None:  # Flower's synchronous loop (the runner's resume wrapper has no start())
-            raise RuntimeError("FedBuffStrategy runs its own loop, start(): it cannot resume a run yet")
+        if self.state is None:  # Flower's synchronous loop: only start() may drive this strategy
+            raise RuntimeError("FedBuffStrategy runs its own loop: call start(), not Flower's round loop")
         label = self.state.version + 1
         busy = {d.node for d in [*self._in_flight.values(), *self._arrived.values()]}
         idle = sorted(n for n in grid.get_node_ids() if n not in busy)
@@ -200,8 +210,23 @@ class FedBuffStrategy(Strategy):
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The server optimizer's state and, with compression, which update of each node counted."""
-        state = self.state.optimizer.state_dict() if self.state is not None else {}
-        return state | (self.channel.state_dict() if self.channel else {})
+        return self.optimizer.state_dict() | (self.channel.state_dict() if self.channel else {})
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_dict` before a resumed :meth:`start`: the server optimizer's moments go on,
+        and clients whose updates the checkpointed model lacks are told so."""
+        counted = (COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY)
+        if self.channel is not None:
+            self.channel.load_state_dict({k: v for k, v in state.items() if k in counted})
+        self.optimizer.load_state_dict({k: v for k, v in state.items() if k not in counted})
+
+    def resume_at(self, version: int) -> None:
+        """Begin the next :meth:`start` at ``version`` (a checkpoint's round): its ``num_rounds`` are the
+        aggregations still to run, and it calls ``evaluate_fn`` with 1, 2, ... for them, as the round
+        runner numbers a resumed run's rounds."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        self._first_version = version
 
     # -- the asynchronous loop ---------------------------------------------------------------------------
 
@@ -227,10 +252,11 @@ class FedBuffStrategy(Strategy):
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         self._begin(initial_arrays)
+        last = self._first_version + num_rounds
         self._dispatch(grid, train_config)
         buffer: list[Message] = []
         losses, first_loss, idle_since = 0, "", time.monotonic()
-        while self.state.version < num_rounds:
+        while self.state.version < last:
             replies = list(grid.pull_messages(list(self._in_flight))) if self._in_flight else []
             refill = False
             if not replies:  # nothing arrived (real time only: a simulated clock always hands one over)
@@ -244,7 +270,7 @@ class FedBuffStrategy(Strategy):
             for reply in replies:
                 message_id = reply.metadata.reply_to_message_id
                 dispatch = self._in_flight.pop(message_id, None)
-                if dispatch is None or self.state.version >= num_rounds:
+                if dispatch is None or self.state.version >= last:
                     continue
                 if reply.has_error():  # lost: cut off, crashed or unreachable; its slot is refilled
                     losses, first_loss, refill = losses + 1, first_loss or reply.error.reason, True
@@ -257,11 +283,11 @@ class FedBuffStrategy(Strategy):
                 if len(buffer) >= self.buffer_size:
                     self._aggregate(buffer, result, evaluate_fn)
                     buffer, refill = [], True
-            if refill and self.state.version < num_rounds:
+            if refill and self.state.version < last:
                 self._dispatch(grid, train_config)
             if self._in_flight:
                 idle_since = time.monotonic()
-            if not replies and self.state.version < num_rounds:
+            if not replies and self.state.version < last:
                 time.sleep(self.poll_s)
         return result
 
@@ -275,6 +301,7 @@ class FedBuffStrategy(Strategy):
             optimizer=self.optimizer,
             averaged=statistics(self._dtypes),
         )
+        self.state.version = self._first_version
         self._record = arrays_to_record(self.state.model, self._dtypes)
 
     def _dispatch(self, grid: Grid, config: ConfigRecord) -> None:
@@ -303,7 +330,10 @@ class FedBuffStrategy(Strategy):
         version = self.state.version
         result.arrays = arrays
         result.train_metrics_clientapp[version] = metrics
-        if evaluate_fn is not None and (res := evaluate_fn(version, arrays)) is not None:
+        if evaluate_fn is None:
+            return
+        # the caller counts this start()'s aggregations from 1, whatever version it began at
+        if (res := evaluate_fn(version - self._first_version, arrays)) is not None:
             result.evaluate_metrics_serverapp[version] = res
 
     def _add_compressed(self, label: int, sent: Mapping[int, tuple[Message, _Dispatch]]) -> list[int]:

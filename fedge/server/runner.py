@@ -147,7 +147,11 @@ def run_rounds(
         done, initial_arrays = resume.completed_round, resume.arrays
         history.rounds = list(resume.history.rounds)
         history.initial_accuracy = resume.history.initial_accuracy
-        strategy = _RoundOffset(strategy, done)
+        resume_at = getattr(strategy, "resume_at", None)
+        if callable(resume_at):  # a strategy running its own loop (FedBuff) numbers its versions on
+            resume_at(done)
+        else:
+            strategy = _RoundOffset(strategy, done)
     round_started = time.perf_counter()
     failures = _FailureWatch(run.max_failed_rounds)
 

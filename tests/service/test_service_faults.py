@@ -136,3 +136,39 @@ def test_agent_broker_and_coordinator_faults_in_one_run(tmp_path):
         check=True,
     )
     assert json.loads(status.stdout)["round"] == ROUNDS
+
+
+@pytest.mark.slow
+def test_a_fedbuff_coordinator_killed_after_an_aggregation_resumes_from_its_checkpoint(tmp_path):
+    """Buffered asynchronous aggregation (K = 2 of C = 3 in flight) with compressed updates: the
+    coordinator is killed once aggregation 2 is checkpointed and restarted with --resume; versions go on
+    from the checkpoint and the run completes."""
+    with MosquittoBroker(tmp_path / "broker") as broker:
+        fleet = _Fleet(tmp_path, broker)
+        config = fleet.config.read_text().replace(
+            f"rounds = {ROUNDS}\n", 'rounds = 6\nstrategy = "fedbuff"\nbuffer_size = 2\nconcurrency = 3\n'
+        )
+        fleet.config.write_text(config.replace(f"min_nodes = {AGENTS}", "min_nodes = 3"))
+        try:
+            for index in range(3):
+                fleet.start_agent(index)
+            fleet.start_coordinator()
+            _wait_for(lambda: fleet.completed_round() >= 2, 240, "aggregation 2", poll=0.05)
+            fleet.coordinator.send_signal(signal.SIGKILL)
+            fleet.coordinator.wait(10)
+            killed_after = fleet.completed_round()
+            fleet.start_coordinator(resume=True)
+            assert fleet.coordinator.wait(timeout=300) == 0, (tmp_path / "coordinator.log").read_text()[
+                -3000:
+            ]
+        finally:
+            fleet.stop()
+
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert 2 <= killed_after < 6  # killed mid-run: the resumed coordinator ran the rest
+    assert [r["round"] for r in metrics["rounds"]] == [1, 2, 3, 4, 5, 6]
+    assert [r["version"] for r in metrics["rounds"]] == [1, 2, 3, 4, 5, 6]
+    assert all(r["accepted"] >= 1 for r in metrics["rounds"][killed_after:])
+    logs = (tmp_path / "coordinator.log").read_text().splitlines()
+    records = [json.loads(line) for line in logs if line.startswith("{")]
+    assert any(r["message"] == f"resuming after round {killed_after}" for r in records)
