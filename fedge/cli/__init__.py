@@ -17,6 +17,7 @@ from fedge.cli.predict import predict
 from fedge.cli.run import bench, simulate
 from fedge.cli.serve import infer, serve
 from fedge.cli.service import agent, coordinator, status
+from fedge.cli.split import split_coordinator
 from fedge.cli.tools import broker_command, netem_command
 
 __all__ = ["app", "fail", "main"]
@@ -41,6 +42,7 @@ def _root() -> None:
 
 app.command()(simulate)
 app.command()(coordinator)
+app.command("split-coordinator")(split_coordinator)
 app.command()(agent)
 app.command()(status)
 app.command()(bench)

@@ -4,15 +4,13 @@ MQTT agents one of which is killed between its activations and its gradient."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from split_helpers import MCU, PI
+from split_helpers import MCU, PI, split_agent
 
 from fedge.app.task import DigitsTask
 from fedge.localnet import MosquittoBroker
@@ -141,22 +139,7 @@ AGENTS = 3  # partition 0 trains the full model; 1 and 2 have 1 MiB for training
 
 
 def _agent(root: Path, index: int, broker: MosquittoBroker, fleet: str) -> subprocess.Popen[bytes]:
-    config = root / f"agent-{index}.toml"
-    memory = 2**20 if index else 2**32
-    config.write_text(
-        f'node_id = "split-{index}"\nstate_dir = "{root / f"agent-{index}"}"\n'
-        'client_app = "fedge.split.app:client_app"\ntasks = ["fedge.app.task:DigitsTask"]\n'
-        f'[mqtt]\nbroker_url = "{broker.url}"\nfleet = "{fleet}"\nreconnect_max_s = 0.5\n'
-        f'[node_config]\n"partition-id" = {index}\n"num-partitions" = {AGENTS}\n"memory-bytes" = {memory}\n'
-    )
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    with (root / f"agent-{index}.log").open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "fedge", "agent", "--config", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    return split_agent(root, index, AGENTS, broker.url, fleet)
 
 
 def test_a_split_agent_killed_mid_batch_over_mqtt_rejoins_and_the_run_completes(tmp_path) -> None:
