@@ -30,14 +30,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedge.atomic import write_bytes_atomic
-from fedge.config import ConfigError, check_types, from_table, read_secret, read_toml
-from fedge.devices.profile import DeviceProfile, measure_device
+from fedge.client.agent_config import REFERENCE_TASK, AgentConfig
+from fedge.devices.profile import measure_device
 from fedge.flower.compat import (
     MessageDecodeError,
     context_from_bytes,
@@ -48,8 +48,7 @@ from fedge.flower.compat import (
 from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.importing import import_attribute
 from fedge.protocol.envelope import encode_message
-from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id, validate_name
-from fedge.transport.config import MqttConfig
+from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.endpoints import Delivery, NodeEndpoint
 from fedge.transport.signing import (
     INSTRUCTION_REFUSED,
@@ -58,7 +57,6 @@ from fedge.transport.signing import (
     SignatureError,
     encode_refusal,
     is_signed_instruction,
-    load_public_key,
     sign,
     strip_instruction_signature,
 )
@@ -67,107 +65,7 @@ __all__ = ["REFERENCE_TASK", "AgentConfig", "DeviceAgent", "load_client_app", "r
 
 log = logging.getLogger(__name__)
 
-REFERENCE_TASK = "fedge.app.task:DigitsTask"
-"""The one task an agent runs unless its configuration lists others."""
-
 _JOURNAL_SIZE = 4096  # answered ids kept (about 60 bytes each) before the earliest-expiring are evicted
-
-
-@dataclass
-class AgentConfig:
-    """A device agent.
-
-    Parameters
-    ----------
-    node_id : str
-        This node's name on the wire (and its MQTT username in the deploy configuration).
-    mqtt : MqttConfig
-        Broker, credentials, TLS, reconnect back-off and transfer limits (``max_buffered_bytes`` caps memory;
-        ``transfer.clock_skew_s`` is also the tolerance when checking an instruction's expiry).
-    state_dir : str
-        Where the Context, pending instructions, the last reply and the journal survive restarts.
-    client_app : str (default: "fedge.app.client_app:app")
-        Import path of the Flower ClientApp to run.
-    node_config : dict
-        Flower node config handed to the ClientApp (e.g. ``partition-id``, ``num-partitions``).
-    signing_key : bytes, optional
-        Per-node HMAC key; replies are signed when set.
-    max_instruction_bytes : int (default: 256 MiB)
-        Larger instructions are refused before decoding.
-    tasks : tuple of str (default: ("fedge.app.task:DigitsTask",))
-        The tasks this agent may run, exactly as instructions name them (``package.module:TaskClass`` or
-        ``path/to/file.py:TaskClass``); an instruction naming any other task is refused before the
-        ClientApp runs, so nothing it names is imported.
-    instruction_keys : tuple of bytes (default: ())
-        Raw 32-byte Ed25519 public keys of the coordinator (TOML: ``instruction_key_files``, PEM files).
-        When set, only instructions signed by one of them are run; two during a key rotation.
-    link : dict (default: {})
-        The device's link as its operator knows it (TOML ``[link]``: ``uplink_mbit_s``, ``downlink_mbit_s``,
-        ``latency_ms``), reported with the measured profile; a coordinator with an upload budget sizes this
-        node's updates from it.
-    """
-
-    node_id: str
-    mqtt: MqttConfig
-    state_dir: str
-    client_app: str = "fedge.app.client_app:app"
-    node_config: dict[str, Any] = field(default_factory=dict)
-    signing_key: bytes | None = None
-    max_instruction_bytes: int = 256 * 1024 * 1024
-    tasks: tuple[str, ...] = (REFERENCE_TASK,)
-    instruction_keys: tuple[bytes, ...] = ()
-    link: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        check_types(self)
-        unknown = set(self.link) - {"uplink_mbit_s", "downlink_mbit_s", "latency_ms"}
-        if unknown:
-            raise ConfigError(
-                f"[link] has unknown keys {sorted(unknown)}: use uplink_mbit_s, downlink_mbit_s, latency_ms"
-            )
-        DeviceProfile(**self.link)  # its checks, with its messages
-        try:
-            validate_name(self.node_id, "node id")
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        if not self.state_dir:
-            raise ConfigError("state_dir must not be empty")
-        if self.max_instruction_bytes < 1:
-            raise ConfigError(f"max_instruction_bytes must be >= 1, got {self.max_instruction_bytes}")
-        if self.signing_key is not None and not self.signing_key:
-            raise ConfigError("signing key is empty")
-        for task in self.tasks:
-            module, sep, name = task.rpartition(":")
-            if not (sep and module and name):
-                raise ConfigError(
-                    f"tasks entry {task!r} must be 'package.module:TaskClass' or 'file.py:TaskClass'"
-                )
-        for key in self.instruction_keys:
-            if len(key) != 32:
-                raise ConfigError(f"an instruction key must be a 32-byte Ed25519 public key, got {len(key)}")
-
-    @classmethod
-    def from_toml(cls, path: str | Path) -> AgentConfig:
-        """``node_id``, ``state_dir``, ``client_app``, ``signing_key_file``, ``tasks``,
-        ``instruction_key_files`` (a list of PEM public keys) at the top level, an ``[mqtt]`` table and a
-        ``[node_config]`` table; the MQTT username defaults to the node id."""
-        values = read_toml(path)
-        key_file = values.pop("signing_key_file", None)
-        if key_file is not None:
-            values["signing_key"] = read_secret(key_file, "signing key").encode()
-        key_files = values.pop("instruction_key_files", None)
-        if key_files is not None:
-            if not (isinstance(key_files, list) and key_files and all(isinstance(f, str) for f in key_files)):
-                raise ConfigError(
-                    "instruction_key_files must be a non-empty list of file names "
-                    "(leave it out to run unsigned instructions)"
-                )
-            values["instruction_keys"] = [load_public_key(f) for f in key_files]
-        mqtt = MqttConfig.from_table(values.pop("mqtt", {}))
-        node_id = values.get("node_id")
-        if mqtt.username is None and isinstance(node_id, str):
-            mqtt = dataclasses.replace(mqtt, username=node_id)
-        return from_table(cls, {**values, "mqtt": mqtt})
 
 
 def load_client_app(path: str) -> ClientApp:
