@@ -116,6 +116,23 @@ class ArtifactStats:
     refused_reasons: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Arrived:
+    """A whole version for the worker to hand over (``data`` None: it failed its checksum)."""
+
+    header: ArtifactHeader
+    data: bytes | None
+    started_at: float
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    """A version for the worker to fetch once it has the turn: its header and its chunks' topic filter."""
+
+    header: ArtifactHeader
+    chunk_filter: str
+
+
 class ArtifactSubscriber:
     """Receive new versions of one artifact (device side).
 
@@ -184,9 +201,8 @@ class ArtifactSubscriber:
         self._started_at = 0.0
         self._chunk_filter: str | None = None
         self._failed_versions: set[str] = set()
-        # (header, bytes, received at) to hand over (bytes None: that version failed its checksum), or
-        # (header, chunk filter) to fetch in turn
-        self._queue: queue.Queue[_Work | None] = queue.Queue()
+        # versions to hand over, or (with fetch_turn) to fetch in turn; None stops the worker
+        self._queue: queue.Queue[_Arrived | _Fetch | None] = queue.Queue()
         self._worker = threading.Thread(target=self._deliver_loop, name=f"artifact-{name}", daemon=True)
 
     def start(self) -> None:
@@ -226,7 +242,7 @@ class ArtifactSubscriber:
             self._chunk_filter = self.topics.artifact_chunks(self.name, header.version)
         log.info("receiving %s %s (%d bytes)", self.name, header.version, header.size)
         if self.fetch_turn is not None:
-            self._queue.put((header, self._chunk_filter))  # the worker fetches once it has the turn
+            self._queue.put(_Fetch(header, self._chunk_filter))  # the worker fetches once it has the turn
         else:
             self.connection.route(self._chunk_filter, self._on_chunk)
 
@@ -241,7 +257,7 @@ class ArtifactSubscriber:
     def _on_chunk(self, topic: str, payload: bytes) -> None:
         prefix, _, index_text = topic.rpartition("/")
         version = prefix.rpartition("/")[2]
-        complete: tuple[ArtifactHeader, bytes, float] | None = None
+        complete: _Arrived | None = None
         with self._lock:
             assembler = self._assembler
             if assembler is None or assembler.header.version != version:
@@ -257,12 +273,12 @@ class ArtifactSubscriber:
             if assembler.missing:
                 return
             try:
-                complete = (assembler.header, assembler.result(), self._started_at)
+                complete = _Arrived(assembler.header, assembler.result(), self._started_at)
                 self.current_version = version  # handed over: its header arriving again starts nothing
             except ArtifactError as err:
                 self._failed_versions.add(version)
                 self._refuse("sha256", str(err))
-                complete = (assembler.header, None, self._started_at)
+                complete = _Arrived(assembler.header, None, self._started_at)
             self._drop_transfer()
         if complete is not None:
             self._queue.put(complete)
@@ -286,8 +302,8 @@ class ArtifactSubscriber:
     # -- the worker thread -----------------------------------------------------------------------------
     def _deliver_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            if len(item) == 2:
-                self._fetch_in_turn(*item)
+            if isinstance(item, _Fetch):
+                self._fetch_in_turn(item.header, item.chunk_filter)
             else:
                 self._deliver(item)
 
@@ -321,13 +337,13 @@ class ArtifactSubscriber:
                 if item is None:
                     self._queue.put(None)  # stopping: let the loop see it
                     return
-                if len(item) == 3:
+                if isinstance(item, _Arrived):
                     self._deliver(item)
                     return
-                header, chunk_filter = item  # a newer version superseded this one
+                header, chunk_filter = item.header, item.chunk_filter  # a newer version superseded this one
 
-    def _deliver(self, item: tuple[ArtifactHeader, bytes | None, float]) -> None:
-        header, data, started_at = item
+    def _deliver(self, item: _Arrived) -> None:
+        header, data, started_at = item.header, item.data, item.started_at
         if data is None:
             if self.on_failed is not None:
                 self.on_failed(header.version)
@@ -339,6 +355,3 @@ class ArtifactSubscriber:
             log.exception("consumer of %s %s failed", self.name, header.version)
             return
         self.stats.delivered += 1
-
-
-_Work = tuple[ArtifactHeader, bytes | None, float] | tuple[ArtifactHeader, str]
