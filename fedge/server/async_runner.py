@@ -253,6 +253,8 @@ class FedBuffStrategy(Strategy):
             result.evaluate_metrics_serverapp[0] = res
         self._begin(initial_arrays)
         last = self._first_version + num_rounds
+        if num_rounds <= 0:  # e.g. resumed after the last aggregation: no client is sent work
+            return result
         self._dispatch(grid, train_config)
         buffer: list[Message] = []
         losses, first_loss, idle_since = 0, "", time.monotonic()

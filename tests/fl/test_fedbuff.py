@@ -210,3 +210,25 @@ def test_a_resumed_run_goes_on_from_its_checkpoint_as_the_uninterrupted_run_did(
         np.testing.assert_allclose([r.loss for r in resumed[2:]], [r.loss for r in whole[2:]], rtol=1e-4)
     else:  # the restart sends full models (no client's version is trusted), so the runs part a little
         assert resumed[-1].accuracy > 0.5 and abs(resumed[-1].accuracy - whole[-1].accuracy) < 0.05
+
+
+def test_a_run_resumed_after_its_last_aggregation_sends_no_work():
+    from fedge.app.server_app import build_strategy, federated_run
+    from fedge.flower.compat import set_task_identity
+    from fedge.server.runner import ResumePoint
+
+    app = AppConfig(
+        rounds=2, local_epochs=1, seed=0, strategy="fedbuff", buffer_size=2, concurrency=2, min_nodes=2
+    )
+    set_task_identity(run_id=1)
+    grid = LocalGrid(client_app, 2, workers=1)
+    try:
+        whole = run_federated(grid, app)
+        pushed = []
+        push = grid.push_messages
+        grid.push_messages = lambda messages: push(pushed.extend(messages) or messages)
+        point = ResumePoint(2, federated_run(app, num_partitions=2).initial_arrays, whole)
+        resumed = run_federated(grid, app, strategy=build_strategy(app), resume=point)
+    finally:
+        grid.shutdown()
+    assert pushed == [] and [r.round for r in resumed.rounds] == [1, 2]
