@@ -121,7 +121,10 @@ def run_split_service(
         coordinator = SplitCoordinator(grid, config.run, on_round=recorded)
         if coordinator.history:
             log.info("resuming after round %d", coordinator.history[-1].round)
-        rounds = coordinator.run()
+        if coordinator.completed_round >= config.run.split.rounds:  # nothing left: wait for nobody
+            rounds = list(coordinator.history)
+        else:
+            rounds = coordinator.run()
     if out is not None and rounds:
         from fedge.reporting.plots import plot_accuracy
 

@@ -55,6 +55,9 @@ def test_split_coordinator_trains_a_mixed_fleet_and_resumes_from_its_checkpoint(
             for agent in agents:
                 agent.kill()
                 agent.wait(10)
+        # every round done: resuming again waits for no agent (there is none) and reports the run
+        third = _coordinator(tmp_path / "split.toml", "--resume")
+        assert third.returncode == 0 and "fedge split-coordinator" in third.stdout, third.stderr[-2000:]
     records = [json.loads(line) for line in second.stderr.splitlines() if line.startswith("{")]
     assert any(r["message"] == "resuming after round 1" for r in records)
     assert "fedge split-coordinator" in second.stdout and "round 2/2" in second.stderr
