@@ -284,9 +284,12 @@ class SplitCoordinator:
 
     def _wait_for_nodes(self) -> None:
         deadline = time.monotonic() + self.config.wait_for_nodes_s
-        while len(list(self.grid.get_node_ids())) < self.config.min_nodes:
+        while (online := len(list(self.grid.get_node_ids()))) < self.config.min_nodes:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {self.config.min_nodes} nodes came online")
+                raise TimeoutError(
+                    f"{online} of the {self.config.min_nodes} nodes the run needs (min_nodes) came online "
+                    f"within {self.config.wait_for_nodes_s:g} s"
+                )
             self._wake.wait(0.1)
 
     def _hello(self) -> None:

@@ -93,3 +93,17 @@ def test_resume_without_a_state_dir_fails_in_one_line(tmp_path):
     result = _coordinator(path, "--resume")
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --resume needs state_dir: the checkpoint it continues from"
+
+
+def test_too_few_agents_is_one_line_saying_how_many_came(tmp_path):
+    with MosquittoBroker(tmp_path / "broker") as broker:
+        path = tmp_path / "split.toml"
+        path.write_text(
+            f'[mqtt]\nbroker_url = "{broker.url}"\nfleet = "empty"\n'
+            "[run]\nmin_nodes = 2\nwait_for_nodes_s = 1.0\n"
+        )
+        result = _coordinator(path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: 0 of the 2 nodes the run needs (min_nodes) came online within 1 s"
+    )
