@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,7 +13,7 @@ import typer
 from fedge.compression import CodecConfigError
 from fedge.config import ConfigError
 
-__all__ = ["config_errors", "configure_logging", "fail"]
+__all__ = ["config_errors", "configure_logging", "fail", "interrupt_on_sigterm"]
 
 
 def fail(message: str) -> typer.Exit:
@@ -28,6 +29,23 @@ def config_errors() -> Iterator[None]:
         yield
     except (ConfigError, CodecConfigError, ValueError) as err:
         raise fail(str(err)) from None
+
+
+def interrupt_on_sigterm() -> list[int]:
+    """Make SIGTERM end the command as Ctrl-C does; returns the list the signal is recorded in.
+
+    ``systemctl stop`` sends SIGTERM: a service ends through its own clean-up (the broker session closed,
+    status and checkpoint written), and exits with status 0 when the list is not empty, so a supervisor
+    does not count the stop as a failure (130 is Ctrl-C's).
+    """
+    received: list[int] = []
+
+    def _interrupt(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    return received
 
 
 def configure_logging(verbose: bool, service: bool = False, json_lines: bool = False) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from fedge.cli.common import config_errors, configure_logging, fail
+from fedge.cli.common import config_errors, configure_logging, fail, interrupt_on_sigterm
 from fedge.config import ConfigError
 
 __all__ = ["agent", "coordinator", "status"]
@@ -34,15 +34,7 @@ def coordinator(
         settings = CoordinatorConfig.from_toml(config)
         settings.service.node_keys()
     configure_logging(verbose, service=True, json_lines=log_json)
-    # systemctl stop sends SIGTERM: end as Ctrl-C does, through the service's own clean-up (the broker
-    # session closed, status.json written), with status 0, so a supervisor does not count it as a failure.
-    stopped_by: list[int] = []
-
-    def _stop(signum: int, frame: object) -> None:
-        stopped_by.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)
+    stopped_by = interrupt_on_sigterm()
     try:
         with config_errors():
             history = run_coordinator(settings, resume=resume)

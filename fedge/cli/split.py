@@ -6,13 +6,12 @@ Registered in :mod:`fedge.cli`; the service is :mod:`fedge.split.service`. Devic
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
-from fedge.cli.common import config_errors, configure_logging, fail
+from fedge.cli.common import config_errors, configure_logging, fail, interrupt_on_sigterm
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -39,13 +38,7 @@ def split_coordinator(
     with config_errors():
         settings = SplitServiceConfig.from_toml(config, resume=resume)
     configure_logging(verbose, service=True, json_lines=log_json)
-    stopped_by: list[int] = []
-
-    def _stop(signum: int, frame: object) -> None:  # systemctl stop: end as Ctrl-C does, with status 0
-        stopped_by.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)
+    stopped_by = interrupt_on_sigterm()
     console = Console(stderr=True)
     try:
         with config_errors():  # a checkpoint of another run, a task that does not load
