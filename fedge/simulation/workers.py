@@ -37,6 +37,7 @@ Shared = tuple[Hashable, bytes]
 
 # The first frame of a call says what the worker's shared blob is for it.
 _NO_SHARED, _SAME_SHARED, _NEW_SHARED = b"0", b"=", b"+"
+_NOTHING = object()  # the shared key of a worker that holds no blob: equal to no caller's key
 
 
 @dataclass
@@ -56,8 +57,7 @@ class _Worker:
     process: BaseProcess
     conn: Connection
     job: _Job | None = None
-    shared_key: Hashable = None  # the key of the shared blob the worker holds
-    holds_shared: bool = False
+    shared_key: Hashable = _NOTHING  # the key of the shared blob the worker holds
 
 
 class WorkerPool:
@@ -213,13 +213,13 @@ def _send(worker: _Worker, job: _Job) -> None:
     """A call's frames: what the shared blob is (and the blob, if the worker lacks it), payload, context."""
     if job.shared is None:
         worker.conn.send_bytes(_NO_SHARED)
-    elif worker.holds_shared and worker.shared_key == job.shared[0]:
+    elif worker.shared_key == job.shared[0]:
         worker.conn.send_bytes(_SAME_SHARED)
     else:
-        worker.holds_shared = False  # until the blob is wholly sent
+        worker.shared_key = _NOTHING  # until the blob is wholly sent
         worker.conn.send_bytes(_NEW_SHARED)
         worker.conn.send_bytes(job.shared[1])
-        worker.shared_key, worker.holds_shared = job.shared[0], True
+        worker.shared_key = job.shared[0]
     worker.conn.send_bytes(job.payload)
     worker.conn.send_bytes(job.context)
 
