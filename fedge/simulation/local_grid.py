@@ -36,7 +36,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from fedge.flower.compat import SUPERLINK_NODE_ID, message_proto_size, set_message_id
+from fedge.flower.compat import SUPERLINK_NODE_ID, content_proto_size, message_proto_size, set_message_id
 from fedge.flower.grid import RunGrid
 from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.protocol.envelope import wire_size
@@ -183,20 +183,23 @@ class LocalGrid(RunGrid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
-        contents: dict[int, tuple[RecordDict, tuple[int, bytes]]] = {}  # by id; the object keeps it unique
+        # by id (the object kept, so its id stays unique): the content, its pickle as the calls' shared blob,
+        # and its size on Flower's wire; a strategy sends one content to every node it samples
+        contents: dict[int, tuple[RecordDict, tuple[int, bytes], int]] = {}
         for message in messages:
             node_id = message.metadata.dst_node_id
             if node_id not in self.contexts:
                 raise ValueError(f"no node {node_id} in this grid")
             message_id = uuid.uuid4().hex
             set_message_id(message, message_id)
-            self._report_wire(message, message_proto_size(message))
-            shared = None
+            shared, content_size = None, None
             if message.has_content():
                 content = message.content
                 if id(content) not in contents:
-                    contents[id(content)] = (content, (next(_content_keys), _dumps(content)))
-                shared = contents[id(content)][1]
+                    blob = (next(_content_keys), _dumps(content))
+                    contents[id(content)] = (content, blob, content_proto_size(content))
+                _, shared, content_size = contents[id(content)]
+            self._report_wire(message, message_proto_size(message, content_size=content_size))
             payload, context = _dumps_message(message), _dumps(self.contexts[node_id])
             self._pending[message_id] = (message, self._pool.submit(payload, context, shared))
             ids.append(message_id)
