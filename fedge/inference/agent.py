@@ -41,6 +41,7 @@ from fedge.inference.agent_config import InferenceAgentConfig, read_canary
 from fedge.inference.distribution import Choice, VariantCollector, choose_variant, variant_artifact
 from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.inference.manifest import Manifest, write_manifest
+from fedge.inference.priority import start_at_lower_priority
 from fedge.inference.replicas import ReplicaGroup
 from fedge.inference.serving import ModelServer
 from fedge.transport.artifact_channel import ArtifactSubscriber
@@ -126,6 +127,7 @@ class InferenceAgent:
         }
         self._install_lock = threading.Lock()
         self._turn_taken_at: dict[str, float] = {}  # version -> when this replica asked for its turn
+        self.model_work_lowered = False  # whether the model threads run at model_work_nice (set by start)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,16 +142,25 @@ class InferenceAgent:
             else:
                 log.warning("kept model %s refused: %s", kept, result.message)
         self.group.serve_requests(self._on_request)
-        for subscriber in self.subscribers.values():
-            subscriber.start()
         self.connection.start()
-        self.models_connection.start()
+        # With a peer replica serving, this replica's model work (chunks, checks, session builds) runs on
+        # threads started at a lower priority, so the peer's requests get the CPU first. In one process the
+        # request thread shares the GIL with that work, and a lowered thread preempted while it holds the
+        # GIL delays requests instead (measured: no gain), so there it keeps the requests' priority.
+        nice = self.config.model_work_nice if self.config.replicas > 1 else 0
+        self.model_work_lowered = start_at_lower_priority(nice, self._start_model_work, name="infer-models")
         if not self.connection.is_v5:
             log.warning(
                 "broker speaks MQTT 3.1.1: requests need MQTT 5 response topics and will go unanswered"
             )
         self._status_thread = threading.Thread(target=self._report_loop, name="infer-status", daemon=True)
         self._status_thread.start()
+
+    def _start_model_work(self) -> None:
+        """Start the threads that receive and install models (they inherit the caller's priority)."""
+        for subscriber in self.subscribers.values():
+            subscriber.start()
+        self.models_connection.start()
 
     def stop(self) -> None:
         """Publish a last (offline) status and disconnect."""
@@ -346,6 +357,7 @@ class InferenceAgent:
             "requests": self.requests,
             "failed_requests": dict(self.failed_requests),
             "swaps": stats.swaps,
+            "model_work_nice": self.config.model_work_nice if self.model_work_lowered else 0,
             "failed_swaps": stats.failed_swaps,
             "variant": choice.variant if choice else "",
             "variant_reason": choice.reason if choice else "",

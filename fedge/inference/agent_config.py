@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fedge.config import ConfigError, check_types, from_table, read_toml
+from fedge.inference.priority import MAX_NICE
 from fedge.inference.serving import Canary
 from fedge.inference.session import SessionConfig
 from fedge.transport.config import MqttConfig
@@ -60,6 +61,11 @@ class InferenceAgentConfig:
         With labels, the accuracy a new model must reach on the canary.
     session : SessionConfig
         ONNX Runtime options (threads from this device's CPUs, no spinning).
+    model_work_nice : int, default 10
+        With ``replicas = 2``: the nice value (0-19, Linux) of the threads that receive, check and install
+        models, so that the serving replica's requests get the CPU first while the other takes in a model
+        (:mod:`fedge.inference.priority`); 0 keeps them at the requests' priority. A single process keeps
+        them there anyway: its requests share the GIL with that work.
     """
 
     node_id: str
@@ -79,6 +85,7 @@ class InferenceAgentConfig:
     canary_file: str = ""
     canary_min_accuracy: float = 0.0
     session: SessionConfig = field(default_factory=SessionConfig)
+    model_work_nice: int = 10
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -96,6 +103,8 @@ class InferenceAgentConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
+        if not 0 <= self.model_work_nice <= MAX_NICE:
+            raise ConfigError(f"model_work_nice must be in 0..{MAX_NICE}, got {self.model_work_nice}")
         if not 0.0 <= self.canary_min_accuracy <= 1.0:
             raise ConfigError(f"canary_min_accuracy must be in [0, 1], got {self.canary_min_accuracy}")
 

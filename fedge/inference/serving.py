@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,11 @@ class ModelServer:
         self._swap_lock = threading.Lock()  # swaps are serialised with each other, never with requests
         self.swaps = 0
         self.failed_swaps: dict[str, int] = {}
+        # ORT starts a session's intra-op threads on the thread that builds it, at that thread's priority
+        # (fedge.inference.priority): sessions are built on this server's own thread, started now, so they
+        # serve at the priority of the thread that created the server, whichever thread asks for a swap.
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedge-session-build")
+        self._builder.submit(int).result()
 
     # -- serving ---------------------------------------------------------------------------------------
     @property
@@ -214,7 +220,7 @@ class ModelServer:
             try:
                 check_model_bytes(data, manifest)
                 try:
-                    session = make_session(data, self.config)
+                    session = self._builder.submit(make_session, data, self.config).result()
                 except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
                     raise ModelCheckError("load", f"{type(err).__name__}: {err}") from err
                 input_name = session.get_inputs()[0].name
