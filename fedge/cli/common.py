@@ -10,7 +10,6 @@ from contextlib import contextmanager
 
 import typer
 
-from fedge.compression import CodecConfigError
 from fedge.config import ConfigError
 
 __all__ = ["config_errors", "configure_logging", "fail", "interrupt_on_sigterm"]
@@ -27,7 +26,7 @@ def config_errors() -> Iterator[None]:
     """Configuration problems end the command with one line naming them."""
     try:
         yield
-    except (ConfigError, CodecConfigError, ValueError) as err:
+    except (ConfigError, ValueError) as err:  # a CodecConfigError is a ValueError
         raise fail(str(err)) from None
 
 
