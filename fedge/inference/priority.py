@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -31,7 +32,9 @@ MAX_NICE = 19
 
 
 def thread_nice() -> int | None:
-    """The calling thread's nice value, or None where it cannot be read."""
+    """The calling thread's nice value, or None where threads have none of their own (not Linux)."""
+    if not sys.platform.startswith("linux"):  # elsewhere PRIO_PROCESS takes a process id, not a thread's
+        return None
     try:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     except (AttributeError, OSError):
