@@ -38,7 +38,8 @@ import numpy as np
 from fedge.atomic import write_bytes_atomic
 from fedge.config import ConfigError
 from fedge.inference.agent_config import InferenceAgentConfig, read_canary
-from fedge.inference.distribution import Choice, VariantCollector, choose_variant, variant_artifact
+from fedge.inference.delta_receiver import DeltaReceiver
+from fedge.inference.distribution import DELTA, Choice, VariantCollector, choose_variant, variant_artifact
 from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.inference.manifest import Manifest, write_manifest
 from fedge.inference.priority import start_at_lower_priority
@@ -125,6 +126,24 @@ class InferenceAgent:
             )
             for variant in config.variants
         }
+        # fp32 weights as a delta of the version this device holds, when the coordinator sends one
+        self.deltas = (
+            DeltaReceiver(config.model_dir, config.max_model_bytes) if config.accept_deltas else None
+        )
+        if self.deltas is not None:
+            self.subscribers[DELTA] = ArtifactSubscriber(
+                self.models_connection,
+                self.topics,
+                variant_artifact(config.artifact, DELTA),
+                self._on_delta,
+                on_failed=self._on_failed_delta,
+                verifier=verifier,
+                max_size=config.max_model_bytes,
+                max_chunk_size=config.mqtt.transfer.max_chunk_size,
+                fetch_turn=self._fetch_turn if self.group.shared else None,
+                on_header=self._on_delta_header,
+            )
+        self._fp32_added: deque[str] = deque(maxlen=16)  # versions whose fp32 reached the collector
         self._install_lock = threading.Lock()
         self._turn_taken_at: dict[str, float] = {}  # version -> when this replica asked for its turn
         self.model_work_lowered = False  # whether the model threads run at model_work_nice (set by start)
@@ -255,11 +274,47 @@ class InferenceAgent:
             )
             return
         # The fleet knows the model by the artifact's version.
-        manifest = manifest.with_(version=header.version)
-        candidates = self.collector.add(variant, header.version, data, manifest)
+        self._add_variant(variant, header.version, manifest.with_(version=header.version), data, received_at)
+
+    def _on_delta(self, header: ArtifactHeader, payload: bytes, received_at: float) -> None:
+        """A version's fp32 weights as a delta: rebuild the fp32 file and skip its full transfer."""
+        assert self.deltas is not None
+        try:
+            manifest = Manifest.from_dict(header.meta).with_(version=header.version)
+        except (KeyError, TypeError, ValueError) as err:
+            self._log_swap(
+                header.version, DELTA, False, "manifest", f"malformed manifest: {err}", received_at
+            )
+            self.subscribers["fp32"].refetch(header.version)
+            return
+        data = self.deltas.rebuild(header.version, manifest, payload)
+        if data is None:  # the full fp32 file comes after all
+            self.subscribers["fp32"].refetch(header.version)
+            return
+        self.subscribers["fp32"].skip(header.version)
+        self._add_variant("fp32", header.version, manifest, data, received_at)
+
+    def _on_delta_header(self, header: ArtifactHeader) -> None:
+        """A delta of the fp32 file this device holds is coming (paho's thread): skip the full file."""
+        assert self.deltas is not None
+        if self.deltas.holds_base(header.meta):
+            self.subscribers["fp32"].skip(header.version)
+
+    def _on_failed_delta(self, version: str) -> None:
+        log.warning("delta for model %s failed its checksum; fetching the full file", version)
+        self.subscribers["fp32"].refetch(version)
+
+    def _add_variant(
+        self, variant: str, version: str, manifest: Manifest, data: bytes, received_at: float
+    ) -> None:
+        if variant == "fp32":  # from its delta or in full, whichever came first
+            if version in self._fp32_added:
+                return
+            self._fp32_added.append(version)
+        candidates = self.collector.add(variant, version, data, manifest)
         if candidates is not None:
             with self._install_lock:  # one version at a time, whichever subscriber completed it
-                self._install(header.version, candidates, received_at)
+                self._install(version, candidates, received_at)
 
     def _on_failed_variant(self, variant: str, version: str) -> None:
         """A variant failed its checksum: install the version from the variants that did arrive."""
@@ -308,6 +363,8 @@ class InferenceAgent:
             version, choice.variant, result.ok, result.reason, result.message, out_of_group=left, **times
         )
         self._publish_status()
+        if result.ok and self.deltas is not None:  # the base of the next delta
+            self.deltas.keep_base(*candidates["fp32"])
 
     def _sample(self, manifest: Manifest) -> np.ndarray:
         """Inputs to measure variants on: the canary's, or zeros of the model's input shape."""
@@ -367,6 +424,7 @@ class InferenceAgent:
             if choice
             else {},
             "models": {v: dataclasses.asdict(sub.stats) for v, sub in self.subscribers.items()},
+            "deltas": dataclasses.asdict(self.deltas.stats) if self.deltas is not None else {},
             "swap_log": list(self.swap_log),
             "updated_at": time.time(),
         }

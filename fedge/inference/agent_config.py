@@ -61,6 +61,9 @@ class InferenceAgentConfig:
         With labels, the accuracy a new model must reach on the canary.
     session : SessionConfig
         ONNX Runtime options (threads from this device's CPUs, no spinning).
+    accept_deltas : bool, default True
+        Rebuild a new version's fp32 file from a weights delta of the version this device holds, when the
+        coordinator sends one (:mod:`fedge.inference.delta_receiver`), instead of fetching it in full.
     model_work_nice : int, default 10
         With ``replicas = 2``: the nice value (0-19, Linux) of the threads that receive, check and install
         models, so that the serving replica's requests get the CPU first while the other takes in a model
@@ -85,6 +88,7 @@ class InferenceAgentConfig:
     canary_file: str = ""
     canary_min_accuracy: float = 0.0
     session: SessionConfig = field(default_factory=SessionConfig)
+    accept_deltas: bool = True
     model_work_nice: int = 10
 
     def __post_init__(self) -> None:

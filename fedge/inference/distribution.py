@@ -19,10 +19,21 @@ import numpy as np
 from fedge.inference.manifest import Manifest
 from fedge.inference.select import Selection, VariantMeasurement, measure_variants, select_variant
 from fedge.inference.session import SessionConfig
+from fedge.inference.weights_delta import WeightsDelta
 from fedge.transport.artifact_channel import ArtifactPublisher
 from fedge.transport.artifacts import ArtifactHeader
 
-__all__ = ["Candidates", "Choice", "VariantCollector", "choose_variant", "publish_model", "variant_artifact"]
+__all__ = [
+    "DELTA",
+    "Candidates",
+    "Choice",
+    "VariantCollector",
+    "choose_variant",
+    "publish_model",
+    "variant_artifact",
+]
+
+DELTA = "fp32-delta"  # the artifact suffix of fp32 weights sent as a delta
 
 Candidates = dict[str, tuple[bytes, Manifest]]
 """Variant name → (model bytes, manifest) of one version."""
@@ -39,12 +50,25 @@ def publish_model(
     files: Mapping[str, tuple[bytes, Manifest]],
     *,
     artifact: str = "model",
+    delta: WeightsDelta | None = None,
 ) -> list[ArtifactHeader]:
-    """Publish every variant of ``version`` (fp32 last); returns the headers sent."""
+    """Publish every variant of ``version`` (fp32 last); returns the headers sent.
+
+    With ``delta`` (the fp32 weights as a delta of version ``delta.base``: :mod:`fedge.server.model_delta`),
+    it goes first, as ``<artifact>-fp32-delta``: a device holding the base rebuilds the fp32 file from it
+    (its manifest, the fp32 one, checks the result) and does not fetch the full fp32 file.
+    """
     if "fp32" not in files:
         raise ValueError("a model version must include its fp32 variant (the reference every device accepts)")
     names = sorted(files)
     headers = []
+    if delta is not None:
+        manifest = files["fp32"][1]
+        facts = {"delta_base": delta.base, "delta_base_sha256": delta.base_sha256, "delta_codec": delta.codec}
+        meta = manifest.with_(version=version, extra={**manifest.extra, "variants": names, **facts})
+        headers.append(
+            publisher.publish(variant_artifact(artifact, DELTA), version, delta.payload, meta.to_dict())
+        )
     for variant in sorted(names, key=lambda v: v == "fp32"):
         data, manifest = files[variant]
         meta = manifest.with_(version=version, extra={**manifest.extra, "variants": names}).to_dict()

@@ -28,7 +28,15 @@ import numpy as np
 from fedge.compression import Codec
 from fedge.protocol.reference import advance_reference
 
-__all__ = ["DeltaError", "apply_delta", "encode_delta", "read_weights", "replace_weights", "same_graph"]
+__all__ = [
+    "DeltaError",
+    "WeightsDelta",
+    "apply_delta",
+    "encode_delta",
+    "read_weights",
+    "replace_weights",
+    "same_graph",
+]
 
 # ONNX protobuf field numbers (onnx.proto3): ModelProto.graph, GraphProto.initializer, and TensorProto's
 # dims, data_type, name and raw_data.
@@ -41,6 +49,17 @@ _MAX_ELEMENTS = 1 << 28
 
 class DeltaError(ValueError):
     """Model bytes that are not an ONNX file this module can read, or weights that do not fit it."""
+
+
+@dataclass(frozen=True)
+class WeightsDelta:
+    """A version's fp32 weights as a delta (``payload``, encoded with ``codec``) of the version ``base``,
+    whose file has sha256 ``base_sha256``."""
+
+    payload: bytes
+    base: str
+    base_sha256: str
+    codec: str
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from fedge.inference.distribution import publish_model
 from fedge.inference.manifest import read_manifest
+from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
 from fedge.transport.artifact_channel import ArtifactPublisher
 
@@ -32,11 +33,16 @@ class ModelDistributor:
         Over the coordinator's connection, signing with the coordinator's instruction key when it has one.
     artifact : str, default "model"
         The artifact name devices follow (``InferenceAgentConfig.artifact``).
+    deltas : DeltaPlanner, optional
+        Sends each version's fp32 weights as a delta of the previous one too, when one can carry them.
     """
 
-    def __init__(self, publisher: ArtifactPublisher, artifact: str = "model") -> None:
+    def __init__(
+        self, publisher: ArtifactPublisher, artifact: str = "model", *, deltas: DeltaPlanner | None = None
+    ) -> None:
         self.publisher = publisher
         self.artifact = artifact
+        self.deltas = deltas
         self.published: list[str] = []
         self._devices: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -78,6 +84,11 @@ class ModelDistributor:
             if manifest is None:
                 raise FileNotFoundError(f"export {exported.version} has no manifest beside {path}")
             files[variant] = (path.read_bytes(), manifest)
-        publish_model(self.publisher, exported.version, files, artifact=self.artifact)
+        delta = None
+        if self.deltas is not None:  # the fp32 the fleet gets: the export, or what its delta rebuilds
+            planned = self.deltas.plan(exported.version, *files["fp32"])
+            files["fp32"], delta = (planned.model, planned.manifest), planned.delta
+        publish_model(self.publisher, exported.version, files, artifact=self.artifact, delta=delta)
         self.published.append(exported.version)
-        log.info("published model %s (%s) to the fleet", exported.version, ", ".join(sorted(files)))
+        sent = sorted(files) + (["fp32 delta of " + delta.base] if delta else [])
+        log.info("published model %s (%s) to the fleet", exported.version, ", ".join(sent))

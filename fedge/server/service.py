@@ -35,6 +35,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from fedge.atomic import write_json_atomic
+from fedge.compression import CodecConfigError, build_codec
 from fedge.config import ConfigError, read_secret
 from fedge.devices.fleet import LinkProfile
 from fedge.devices.profile import DeviceProfile
@@ -44,6 +45,7 @@ from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog
 from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
 from fedge.server.model_publish import ModelDistributor
 from fedge.server.runner import FederatedRun, ResumePoint, run_rounds
@@ -90,6 +92,10 @@ class ServiceConfig:
     publish_models : bool (default: True)
         Publish every verified export to the fleet's inference devices (``fedge serve``) as retained,
         chunked artifacts, signed with ``instruction_key_file`` when it is set.
+    model_delta_codec : str (default: "fp16")
+        After the first, each version's fp32 weights also travel as a delta of the previous version in this
+        codec (any :func:`fedge.compression.build_codec` spec; :mod:`fedge.server.model_delta`), so a device
+        that holds the previous version fetches only the delta; ``""`` sends every version in full only.
     schedule : Schedule (default: Schedule())
         The ``[schedule]`` table: a training round's deadline in real seconds (fixed or adaptive),
         over-selection and memory-aware sampling (:class:`fedge.server.schedule_grid.ScheduledGrid`; the
@@ -106,6 +112,7 @@ class ServiceConfig:
     run_id: int = 1
     instruction_key_file: str | None = None
     publish_models: bool = True
+    model_delta_codec: str = "fp16"
     schedule: Schedule = field(default_factory=Schedule)
 
     def __post_init__(self) -> None:
@@ -116,6 +123,11 @@ class ServiceConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.run_id < 0:
             raise ConfigError(f"run_id must be >= 0, got {self.run_id}")
+        if self.model_delta_codec:
+            try:
+                build_codec(self.model_delta_codec)
+            except CodecConfigError as err:
+                raise ConfigError(f"model_delta_codec: {err}") from None
 
     def node_keys(self) -> dict[str, bytes] | None:
         """Every node's signing key, read as the agent reads its own (first line, stripped)."""
@@ -168,7 +180,9 @@ def _model_distributor(config: ServiceConfig) -> Iterator[ModelDistributor]:
     """A distributor on a connection of its own: the Grid's channel is per node, artifacts are fleet-wide."""
     signer = InstructionSigner.from_file(config.instruction_key_file) if config.instruction_key_file else None
     connection = MqttConnection(config.mqtt, f"fedge-models-{config.mqtt.fleet}")
-    distributor = ModelDistributor(ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer))
+    deltas = DeltaPlanner(config.model_delta_codec) if config.model_delta_codec else None
+    publisher = ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer)
+    distributor = ModelDistributor(publisher, deltas=deltas)
     distributor.follow_devices()
     connection.start()
     try:

@@ -133,6 +133,13 @@ class _Fetch:
     chunk_filter: str
 
 
+@dataclass(frozen=True)
+class _Dropped:
+    """The consumer skipped a version whose transfer was under way: a turn waiting for it ends."""
+
+    version: str
+
+
 class ArtifactSubscriber:
     """Receive new versions of one artifact (device side).
 
@@ -167,6 +174,9 @@ class ArtifactSubscriber:
         in turn (:mod:`fedge.inference.replicas`). Without it, chunks are fetched as the header arrives.
     turn_timeout_s : float, default 60
         How long a transfer may hold the turn.
+    on_header : callable(ArtifactHeader), optional
+        Told of each new version's (checked) header as its transfer starts, on paho's thread: it must be
+        quick. A consumer that can get the version another way may :meth:`skip` another artifact's transfer.
     """
 
     def __init__(
@@ -183,6 +193,7 @@ class ArtifactSubscriber:
         on_failed: Callable[[str], None] | None = None,
         fetch_turn: Callable[[ArtifactHeader], AbstractContextManager[object]] | None = None,
         turn_timeout_s: float = 60.0,
+        on_header: Callable[[ArtifactHeader], None] | None = None,
     ) -> None:
         self.connection = connection
         self.on_failed = on_failed
@@ -195,6 +206,7 @@ class ArtifactSubscriber:
         self.current_version = current_version
         self.fetch_turn = fetch_turn
         self.turn_timeout_s = turn_timeout_s
+        self.on_header = on_header
         self.stats = ArtifactStats()
         self._lock = threading.Lock()
         self._assembler: ArtifactAssembler | None = None
@@ -202,7 +214,7 @@ class ArtifactSubscriber:
         self._chunk_filter: str | None = None
         self._failed_versions: set[str] = set()
         # versions to hand over, or (with fetch_turn) to fetch in turn; None stops the worker
-        self._queue: queue.Queue[_Arrived | _Fetch | None] = queue.Queue()
+        self._queue: queue.Queue[_Arrived | _Fetch | _Dropped | None] = queue.Queue()
         self._worker = threading.Thread(target=self._deliver_loop, name=f"artifact-{name}", daemon=True)
 
     def start(self) -> None:
@@ -218,6 +230,25 @@ class ArtifactSubscriber:
         self._queue.put(None)
         if self._worker.is_alive():
             self._worker.join(timeout=30)
+
+    def skip(self, version: str) -> None:
+        """Do not fetch ``version`` (the consumer got it another way): its header, if it comes, starts
+        nothing, and a transfer of it in progress is dropped."""
+        with self._lock:
+            if self._assembler is not None and self._assembler.header.version == version:
+                self._drop_transfer()
+                self._queue.put(_Dropped(version))
+            self.current_version = version
+
+    def refetch(self, version: str) -> None:
+        """Undo :meth:`skip`: fetch ``version`` after all (the broker sends its retained header again)."""
+        with self._lock:
+            if self.current_version != version:
+                return
+            self.current_version = None
+        topic = self.topics.artifact(self.name)
+        self.connection.unroute(topic)
+        self.connection.route(topic, self._on_header)
 
     # -- paho's thread ---------------------------------------------------------------------------------
     def _on_header(self, _topic: str, payload: bytes) -> None:
@@ -241,6 +272,8 @@ class ArtifactSubscriber:
             self.stats.receiving = header.version
             self._chunk_filter = self.topics.artifact_chunks(self.name, header.version)
         log.info("receiving %s %s (%d bytes)", self.name, header.version, header.size)
+        if self.on_header is not None:
+            self.on_header(header)
         if self.fetch_turn is not None:
             self._queue.put(_Fetch(header, self._chunk_filter))  # the worker fetches once it has the turn
         else:
@@ -304,7 +337,7 @@ class ArtifactSubscriber:
         while (item := self._queue.get()) is not None:
             if isinstance(item, _Fetch):
                 self._fetch_in_turn(item.header, item.chunk_filter)
-            else:
+            elif isinstance(item, _Arrived):
                 self._deliver(item)
 
     def _fetch_in_turn(self, header: ArtifactHeader, chunk_filter: str) -> None:
@@ -340,6 +373,10 @@ class ArtifactSubscriber:
                 if isinstance(item, _Arrived):
                     self._deliver(item)
                     return
+                if isinstance(item, _Dropped):
+                    if item.version == header.version:
+                        return  # skipped: give the turn back
+                    continue
                 header, chunk_filter = item.header, item.chunk_filter  # a newer version superseded this one
 
     def _deliver(self, item: _Arrived) -> None:

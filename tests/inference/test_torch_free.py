@@ -10,7 +10,16 @@ import fedge.inference
 
 ALLOWED = {"numpy", "onnxruntime", "onnx", "fedge", "paho"}
 # The MQTT transport's torch-free core (connection, topics, signing, artifacts) serves the inference agent.
-ALLOWED_FEDGE = ("fedge.inference", "fedge.config", "fedge.atomic", "fedge.transport", "fedge.protocol.fleet")
+ALLOWED_FEDGE = (
+    "fedge.inference",
+    "fedge.config",
+    "fedge.atomic",
+    "fedge.transport",
+    "fedge.protocol.fleet",
+    # weights deltas: the codecs (pure numpy) and the reference step both sides compute alike
+    "fedge.compression",
+    "fedge.protocol.reference",
+)
 
 
 def test_package_imports_only_allowed_modules():

@@ -68,6 +68,9 @@ def test_the_service_publishes_each_export_and_an_inference_device_serves_the_la
         device.stop()
     assert history.rounds[-1].extra["export_version"] == "r0002"
     assert set(status["variant_latency_ms"]) == {"fp32", "int8-dynamic"}
+    # r0002's fp32 weights also went out as a delta of r0001: applied if the device held r0001 by then
+    deltas = status["deltas"]
+    assert deltas["applied"] + deltas["ignored"] == 1 and deltas["refused"] == 0
     assert status["variant"] in ("fp32", "int8-dynamic") and status["swaps"] >= 1
     coordinator_status = json.loads((tmp_path / "coordinator" / "status.json").read_text())
     assert coordinator_status["inference_devices"]["cam"]["online"] is True  # what `fedge status` shows

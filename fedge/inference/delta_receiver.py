@@ -1,0 +1,108 @@
+"""The device's side of weights-only updates: rebuild a version's fp32 file from a delta of the one it holds.
+
+The coordinator publishes a version's fp32 weights as a delta of the previous version
+(``<artifact>-fp32-delta``, :mod:`fedge.server.model_delta`) before the version's full files. A device
+whose last installed fp32 file is that previous version rebuilds the new file from it
+(:func:`fedge.inference.weights_delta.apply_delta`), checks it against the sha256 of the signed manifest
+the delta carries, and hands it on as the version's fp32 variant; it then skips the full fp32 transfer. A
+device that holds another version, or none, ignores the delta and takes the full file, so a missed delta
+costs only bytes. The fp32 file of the last installed version is kept in ``model_dir`` (whatever variant
+serves), so deltas keep working across restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedge.atomic import write_bytes_atomic
+from fedge.compression import CodecError
+from fedge.inference.manifest import Manifest, read_manifest, sha256_bytes, write_manifest
+from fedge.inference.weights_delta import DeltaError, apply_delta
+
+__all__ = ["BASE_FILE", "DeltaReceiver", "DeltaStats"]
+
+log = logging.getLogger(__name__)
+
+BASE_FILE = "base-fp32.onnx"  # the fp32 file of the last installed version: the base of the next delta
+
+
+@dataclass
+class DeltaStats:
+    """Counters for the status: deltas applied, ignored (another base held) and refused, with why."""
+
+    applied: int = 0
+    ignored: int = 0
+    refused: int = 0
+    last_error: str = ""
+
+
+class DeltaReceiver:
+    """Keep the base fp32 file and rebuild new versions from deltas of it.
+
+    Parameters
+    ----------
+    model_dir : str or Path
+        Where the base file is kept (the agent's ``model_dir``).
+    max_bytes : int
+        The largest model accepted; caps what a delta may decode to.
+    """
+
+    def __init__(self, model_dir: str | Path, max_bytes: int) -> None:
+        self.path = Path(model_dir) / BASE_FILE
+        self.max_elements = max(1, max_bytes // 4)
+        self.stats = DeltaStats()
+
+    def keep_base(self, data: bytes, manifest: Manifest) -> None:
+        """Remember the fp32 file of the version just installed (atomically; a failure only costs deltas)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(self.path, data)
+            write_manifest(self.path, manifest)
+        except OSError as err:
+            log.warning("cannot keep the fp32 base in %s: %s (deltas will be ignored)", self.path.parent, err)
+
+    def holds_base(self, meta: dict) -> bool:
+        """Whether the base a delta's header (``meta``, its manifest) names is the version held here."""
+        extra = meta.get("extra") if isinstance(meta, dict) else None
+        try:
+            held = read_manifest(self.path)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return isinstance(extra, dict) and held is not None and extra.get("delta_base") == held.version
+
+    def rebuild(self, version: str, manifest: Manifest, payload: bytes) -> bytes | None:
+        """The fp32 file of ``version`` rebuilt from the delta ``payload`` (``manifest``, signed, describes
+        the file), or None when this device cannot use the delta (it then fetches the full file)."""
+        base = manifest.extra.get("delta_base")
+        held = self._held()
+        if (
+            held is None
+            or held[0] != base
+            or sha256_bytes(held[1]) != manifest.extra.get("delta_base_sha256")
+        ):
+            self.stats.ignored += 1
+            log.info("delta %s of %s ignored: this device holds %s", version, base, held and held[0])
+            return None
+        try:
+            data = apply_delta(held[1], payload, max_elements=self.max_elements)
+        except (DeltaError, CodecError) as err:
+            return self._refuse(version, f"does not apply: {err}")
+        if sha256_bytes(data) != manifest.sha256:
+            return self._refuse(version, "the rebuilt file does not match the signed manifest's sha256")
+        self.stats.applied += 1
+        return data
+
+    def _held(self) -> tuple[str, bytes] | None:
+        try:
+            manifest = read_manifest(self.path)
+            return (manifest.version, self.path.read_bytes()) if manifest is not None else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _refuse(self, version: str, message: str) -> None:
+        self.stats.refused += 1
+        self.stats.last_error = f"{version}: {message}"
+        log.warning("delta for model %s refused (%s); fetching the full file", version, message)
+        return None
