@@ -15,7 +15,10 @@ Headline: ``ort_speedup_vs_torch_batch1`` (CNN), ``int8_size_ratio`` (ResNet), `
 ``infer_agent_rss_mb`` (the agent process's RSS; ``infer_agent_rss_above_runtime_mb`` is what it adds to
 the runtime's floor, ``infer_agent_rss_above_serving_floor_mb`` what it adds to a bare ORT process serving
 the same model, ``infer_agent_rss_bound_mb`` the model's size + 40) and ``infer_install_mb``
-(``pip download`` of the ``infer`` extra's closure; skipped with ``--quick``).
+(``pip download`` of the ``infer`` extra's closure; skipped with ``--quick``). Also the bytes of a version
+sent as a weights delta of the one before, fp16 and int8 (``delta_bytes_ratio_fp16``: the ResNet's full
+fp32 file over its fp16 delta; ``delta_output_diff_fp16``: how far the rebuilt model's outputs are from the
+exact ones, relative to their scale).
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ from fedge.app.task import DigitsCNN
 from fedge.bench._common import emit, parse_args, timed
 from fedge.bench._infer_swap import runtime_floor_rss, swap_over_broker
 from fedge.inference import measure_variants, select_variant
+from fedge.inference.manifest import read_manifest
 from fedge.inference.session import available_cpus
+from fedge.inference.weights_delta import read_weights, replace_weights
 from fedge.server.export import export_onnx, export_variants
+from fedge.server.model_delta import DeltaPlanner
 
 
 def _infer_extra() -> list[str]:
@@ -168,6 +174,31 @@ def _other_weights(model: nn.Module, sample: np.ndarray, out_dir: Path) -> Path:
     return path
 
 
+def _delta_figures(path: Path, step: float) -> dict:
+    """Bytes of a version sent as a weights delta of the one before (:mod:`fedge.server.model_delta`).
+
+    The next version is ``path``'s model with every weight moved by ``step`` times a standard normal draw
+    (a training round's change, in size), written into the file directly.
+    """
+    data, manifest = path.read_bytes(), read_manifest(path)
+    rng = np.random.default_rng(0)
+    moved = {k: w + step * rng.standard_normal(w.shape, np.float32) for k, w in read_weights(data).items()}
+    following = replace_weights(data, moved)
+    figures = {"full_bytes": len(data)}
+    for codec in ("fp16", "int8"):
+        planner = DeltaPlanner(codec, max_output_diff=1.0)  # measure, do not fall back
+        planner.plan("v1", data, manifest)
+        plan = planner.plan("v2", following, manifest)
+        assert plan.delta is not None
+        figures[codec] = {
+            "delta_bytes": len(plan.delta.payload),
+            "bytes_ratio": len(data) / len(plan.delta.payload),
+            "output_diff": plan.manifest.extra["output_diff_vs_export"],
+            "within_bound": plan.manifest.extra["output_diff_vs_export"] <= 1e-4,
+        }
+    return figures
+
+
 def _middle_run(runs: list[dict]) -> dict:
     """The run whose swap pause is the median of ``runs`` (an odd number of them)."""
     return sorted(runs, key=lambda r: r["pause_p99_ms"])[len(runs) // 2]
@@ -207,6 +238,10 @@ def main() -> None:
             "resnet18", resnet, images[32:], images[:32], (images[32:], agree), out_dir, max(6, runs // 10)
         )
         cnn_fp32 = out_dir / "cnn" / "model-fp32.onnx"
+        deltas = {
+            "cnn": _delta_figures(cnn_fp32, 1e-3),
+            "resnet18": _delta_figures(out_dir / "resnet18" / "model-fp32.onnx", 1e-4),
+        }
         versions = [cnn_fp32, _other_weights(cnn, test_x, out_dir / "cnn-b")]
         # One run's p99 over the 15-45 requests in flight during its swaps is nearly their maximum, and one
         # stray delay moves it by milliseconds: the full bench runs the 20-swap test three times for each
@@ -294,6 +329,8 @@ def main() -> None:
         "infer_agent_rss_bound_mb": model_mb + 40,
         "infer_agent_loaded_torch": swap["agent_loaded_torch"],
         "infer_install_mb": install_mb,
+        "delta_bytes_ratio_fp16": deltas["resnet18"]["fp16"]["bytes_ratio"],
+        "delta_output_diff_fp16": max(d["fp16"]["output_diff"] for d in deltas.values()),
         "resnet_input": f"3x{side}x{side}",
     }
     result = {
@@ -305,6 +342,7 @@ def main() -> None:
         "swap_runs": swap_runs,
         "swap_two_replicas_runs": swap2_runs,
         "install_files": install_files,
+        "deltas": deltas,
         "models": detail,
         "cpus": available_cpus(),
     }

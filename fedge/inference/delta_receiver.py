@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedge.atomic import write_bytes_atomic
-from fedge.compression import CodecError
 from fedge.inference.manifest import Manifest, read_manifest, sha256_bytes, write_manifest
-from fedge.inference.weights_delta import DeltaError, apply_delta
 
 __all__ = ["BASE_FILE", "DeltaReceiver", "DeltaStats"]
 
@@ -85,6 +83,10 @@ class DeltaReceiver:
             self.stats.ignored += 1
             log.info("delta %s of %s ignored: this device holds %s", version, base, held and held[0])
             return None
+        # here, not at import: a device that never gets a delta does not load the codecs (about 1 MB)
+        from fedge.compression import CodecError
+        from fedge.inference.weights_delta import DeltaError, apply_delta
+
         try:
             data = apply_delta(held[1], payload, max_elements=self.max_elements)
         except (DeltaError, CodecError) as err:

@@ -13,15 +13,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedge.inference.manifest import Manifest
 from fedge.inference.select import Selection, VariantMeasurement, measure_variants, select_variant
 from fedge.inference.session import SessionConfig
-from fedge.inference.weights_delta import WeightsDelta
 from fedge.transport.artifact_channel import ArtifactPublisher
 from fedge.transport.artifacts import ArtifactHeader
+
+if TYPE_CHECKING:  # a device imports this module; only the coordinator makes deltas
+    from fedge.inference.weights_delta import WeightsDelta
 
 __all__ = [
     "DELTA",

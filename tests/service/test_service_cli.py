@@ -25,6 +25,8 @@ runner = CliRunner()
         ("coordinator", 'state_dir = "s"\n[mqtt]\nbroker_url = "http://x"\n', "broker"),
         ("coordinator", 'state_dir = "s"\n[mqtt]\nhost = "x"\n', "unknown key 'mqtt.host'"),
         ("coordinator", 'state_dir = "s"\n[app]\nalpha = 0\n', "alpha must be > 0"),
+        ("coordinator", 'state_dir = "s"\nmodel_delta_codec = "fp12"\n', "model_delta_codec"),
+        ("serve", 'node_id = "n1"\nmodel_dir = "m"\nmodel_work_nice = 25\n', "model_work_nice must be in"),
         ("coordinator", 'state_dir = "s"\nnode_keys_dir = "/nonexistent"\n', "holds no <node>.key files"),
         ("agent", 'node_id = "a b"\nstate_dir = "s"\n', "node id"),
         ("agent", 'state_dir = "s"\n', "node_id"),
