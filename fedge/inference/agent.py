@@ -127,21 +127,21 @@ class InferenceAgent:
             for variant in config.variants
         }
         # fp32 weights as a delta of the version this device holds, when the coordinator sends one
-        self.deltas = (
-            DeltaReceiver(config.model_dir, config.max_model_bytes) if config.accept_deltas else None
-        )
-        if self.deltas is not None:
+        self.deltas: DeltaReceiver | None = None
+        if config.accept_deltas:
+            full = self.subscribers["fp32"]
+            self.deltas = DeltaReceiver(config.model_dir, config.max_model_bytes, full, self._add_fp32)
             self.subscribers[DELTA] = ArtifactSubscriber(
                 self.models_connection,
                 self.topics,
                 variant_artifact(config.artifact, DELTA),
-                self._on_delta,
-                on_failed=self._on_failed_delta,
+                self.deltas.on_delta,
+                on_failed=self.deltas.on_failed,
                 verifier=verifier,
                 max_size=config.max_model_bytes,
                 max_chunk_size=config.mqtt.transfer.max_chunk_size,
                 fetch_turn=self._fetch_turn if self.group.shared else None,
-                on_header=self._on_delta_header,
+                on_header=self.deltas.on_header,
             )
         self._fp32_added: deque[str] = deque(maxlen=16)  # versions whose fp32 reached the collector
         self._install_lock = threading.Lock()
@@ -276,33 +276,9 @@ class InferenceAgent:
         # The fleet knows the model by the artifact's version.
         self._add_variant(variant, header.version, manifest.with_(version=header.version), data, received_at)
 
-    def _on_delta(self, header: ArtifactHeader, payload: bytes, received_at: float) -> None:
-        """A version's fp32 weights as a delta: rebuild the fp32 file and skip its full transfer."""
-        assert self.deltas is not None
-        try:
-            manifest = Manifest.from_dict(header.meta).with_(version=header.version)
-        except (KeyError, TypeError, ValueError) as err:
-            self._log_swap(
-                header.version, DELTA, False, "manifest", f"malformed manifest: {err}", received_at
-            )
-            self.subscribers["fp32"].refetch(header.version)
-            return
-        data = self.deltas.rebuild(header.version, manifest, payload)
-        if data is None:  # the full fp32 file comes after all
-            self.subscribers["fp32"].refetch(header.version)
-            return
-        self.subscribers["fp32"].skip(header.version)
-        self._add_variant("fp32", header.version, manifest, data, received_at)
-
-    def _on_delta_header(self, header: ArtifactHeader) -> None:
-        """A delta of the fp32 file this device holds is coming (paho's thread): skip the full file."""
-        assert self.deltas is not None
-        if self.deltas.holds_base(header.meta):
-            self.subscribers["fp32"].skip(header.version)
-
-    def _on_failed_delta(self, version: str) -> None:
-        log.warning("delta for model %s failed its checksum; fetching the full file", version)
-        self.subscribers["fp32"].refetch(version)
+    def _add_fp32(self, version: str, manifest: Manifest, data: bytes, received_at: float) -> None:
+        """The fp32 file rebuilt from a delta (the delta subscriber's worker)."""
+        self._add_variant("fp32", version, manifest, data, received_at)
 
     def _add_variant(
         self, variant: str, version: str, manifest: Manifest, data: bytes, received_at: float

@@ -13,11 +13,14 @@ serves), so deltas keep working across restarts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fedge.atomic import write_bytes_atomic
 from fedge.inference.manifest import Manifest, read_manifest, sha256_bytes, write_manifest
+from fedge.transport.artifact_channel import ArtifactSubscriber
+from fedge.transport.artifacts import ArtifactHeader
 
 __all__ = ["BASE_FILE", "DeltaReceiver", "DeltaStats"]
 
@@ -36,8 +39,15 @@ class DeltaStats:
     last_error: str = ""
 
 
+Deliver = Callable[[str, Manifest, bytes, float], None]
+"""Hands a rebuilt fp32 file on: (version, manifest, file bytes, when the delta's header arrived)."""
+
+
 class DeltaReceiver:
     """Keep the base fp32 file and rebuild new versions from deltas of it.
+
+    Its :meth:`on_delta`, :meth:`on_header` and :meth:`on_failed` are the callbacks of the delta artifact's
+    :class:`~fedge.transport.artifact_channel.ArtifactSubscriber`.
 
     Parameters
     ----------
@@ -45,12 +55,48 @@ class DeltaReceiver:
         Where the base file is kept (the agent's ``model_dir``).
     max_bytes : int
         The largest model accepted; caps what a delta may decode to.
+    full : ArtifactSubscriber
+        The subscriber of the full fp32 files: told to skip a version a delta brings, or to fetch it
+        after all when the delta fails.
+    deliver : callable(version, manifest, data, received_at)
+        Hands a rebuilt fp32 file on, as the full file's subscriber would.
     """
 
-    def __init__(self, model_dir: str | Path, max_bytes: int) -> None:
+    def __init__(
+        self, model_dir: str | Path, max_bytes: int, full: ArtifactSubscriber, deliver: Deliver
+    ) -> None:
         self.path = Path(model_dir) / BASE_FILE
         self.max_elements = max(1, max_bytes // 4)
+        self.full = full
+        self.deliver = deliver
         self.stats = DeltaStats()
+
+    # -- the delta subscriber's callbacks -----------------------------------------------------------------
+    def on_header(self, header: ArtifactHeader) -> None:
+        """A delta is coming (paho's thread): if it is of the file held here, the full file need not come."""
+        if self.holds_base(header.meta):
+            self.full.skip(header.version)
+
+    def on_delta(self, header: ArtifactHeader, payload: bytes, received_at: float) -> None:
+        """A whole delta (the subscriber's worker): rebuild the file and hand it on, or fetch it in full."""
+        try:
+            manifest = Manifest.from_dict(header.meta).with_(version=header.version)
+        except (KeyError, TypeError, ValueError) as err:
+            data = self._refuse(header.version, f"malformed manifest: {err}")
+        else:
+            data = self.rebuild(header.version, manifest, payload)
+        if data is None:
+            self.full.refetch(header.version)
+            return
+        self.full.skip(header.version)
+        self.deliver(header.version, manifest, data, received_at)
+
+    def on_failed(self, version: str) -> None:
+        """The delta's bytes failed their signed checksum: fetch the full file."""
+        self._refuse(version, "its bytes do not match the signed header")
+        self.full.refetch(version)
+
+    # -- the base and the rebuild ---------------------------------------------------------------------------
 
     def keep_base(self, data: bytes, manifest: Manifest) -> None:
         """Remember the fp32 file of the version just installed (atomically; a failure only costs deltas)."""

@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "localnet": BASE,
     "transport": BASE | {"protocol", "devices", "flower"},
     "partitioning": BASE | {"compression", "devices"},
-    "inference": BASE | {"protocol", "devices", "transport"},
+    # inference decodes weight deltas with the codecs (the pure leaf under protocol)
+    "inference": BASE | {"compression", "protocol", "devices", "transport"},
     "server": BASE | {"compression", "protocol", "flower", "devices", "reporting", "transport", "inference"},
     "client": BASE | {"compression", "protocol", "flower", "devices", "transport", "inference"},
     "app": BASE

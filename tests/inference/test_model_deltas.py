@@ -14,7 +14,7 @@ from waiting import wait_until
 from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
 from fedge.inference.delta_receiver import BASE_FILE
 from fedge.inference.distribution import publish_model
-from fedge.inference.manifest import sha256_bytes
+from fedge.inference.manifest import read_manifest, sha256_bytes
 from fedge.inference.serving import ModelServer
 from fedge.server.export import export_onnx
 from fedge.server.model_delta import DeltaPlanner
@@ -61,7 +61,10 @@ def test_a_device_rebuilds_each_new_version_from_a_delta_and_a_late_one_gets_the
         with _agent(mqtt, tmp_path / "dev") as agent:
             wait_until(lambda: agent.server.serving_version == "v1")
             planned = []
+            base = tmp_path / "dev" / BASE_FILE
             for i, (data, manifest) in enumerate(versions[1:], start=2):
+                # the base is kept just after the install: a delta that comes sooner is ignored (full file)
+                wait_until(lambda i=i: base.is_file() and read_manifest(base).version == f"v{i - 1}")
                 plan = planner.plan(f"v{i}", data, manifest)
                 assert plan.delta is not None and plan.delta.base == f"v{i - 1}"
                 assert len(plan.delta.payload) < 0.6 * len(data)  # fp16: about half the model
@@ -75,7 +78,7 @@ def test_a_device_rebuilds_each_new_version_from_a_delta_and_a_late_one_gets_the
             status = agent.status()
             assert status["deltas"]["applied"] == 2 and status["deltas"]["refused"] == 0
             assert status["models"]["fp32"]["delivered"] == 1  # only v1 came in full
-            assert (tmp_path / "dev" / BASE_FILE).read_bytes() == planned[-1].model
+            wait_until(lambda: base.read_bytes() == planned[-1].model)
             local = ModelServer()
             assert local.swap(planned[-1].model, planned[-1].manifest).ok
             np.testing.assert_allclose(agent.server.predict(x), local.predict(x), atol=1e-6)

@@ -74,12 +74,14 @@ def test_a_swap_from_a_lowered_thread_serves_on_threads_of_the_servers_priority(
 
     def install() -> None:
         result.append(server.swap(data, manifest, version="v1"))
-        result.append(_tids() - before)  # while this (lowered) thread is alive: the new threads
+        result.append(_tids() - before - {threading.get_native_id()})  # the threads the swap started
 
     if not start_at_lower_priority(min(19, base + 7), install):
         pytest.skip("this sandbox forbids raising a thread's nice value")
     swap, new = result
     assert swap.ok
     assert new, "the session started no thread"
-    assert {_nice_of(tid) for tid in new if tid in _tids()} == {base}
+    alive = new & _tids()
+    assert alive, "the session's threads are gone"
+    assert {_nice_of(tid) for tid in alive} == {base}
     assert server.predict(np.zeros((1, 1, 8, 8), np.float32)).shape == (1, 10)
