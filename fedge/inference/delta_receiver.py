@@ -71,7 +71,7 @@ class DeltaReceiver:
         self.deliver = deliver
         self.stats = DeltaStats()
 
-    # -- the delta subscriber's callbacks -----------------------------------------------------------------
+    # -- the delta subscriber's callbacks ------------------------------------------------------------------
     def on_header(self, header: ArtifactHeader) -> None:
         """A delta is coming (paho's thread): if it is of the file held here, the full file need not come."""
         if self.holds_base(header.meta):
@@ -96,8 +96,7 @@ class DeltaReceiver:
         self._refuse(version, "its bytes do not match the signed header")
         self.full.refetch(version)
 
-    # -- the base and the rebuild ---------------------------------------------------------------------------
-
+    # -- the base and the rebuild -------------------------------------------------------------------------
     def keep_base(self, data: bytes, manifest: Manifest) -> None:
         """Remember the fp32 file of the version just installed (atomically; a failure only costs deltas)."""
         try:
