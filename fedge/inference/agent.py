@@ -130,7 +130,8 @@ class InferenceAgent:
         self.deltas: DeltaReceiver | None = None
         if config.accept_deltas:
             full = self.subscribers["fp32"]
-            self.deltas = DeltaReceiver(config.model_dir, config.max_model_bytes, full, self._add_fp32)
+            served = Path(config.model_dir) / MODEL_FILE
+            self.deltas = DeltaReceiver(served, config.max_model_bytes, full, self._add_fp32)
             self.subscribers[DELTA] = ArtifactSubscriber(
                 self.models_connection,
                 self.topics,
@@ -339,7 +340,7 @@ class InferenceAgent:
             version, choice.variant, result.ok, result.reason, result.message, out_of_group=left, **times
         )
         self._publish_status()
-        if result.ok and self.deltas is not None:  # the base of the next delta
+        if result.ok and self.deltas is not None and choice.variant != "fp32":  # the next delta's base
             self.deltas.keep_base(*candidates["fp32"])
 
     def _sample(self, manifest: Manifest) -> np.ndarray:

@@ -6,8 +6,8 @@ whose last installed fp32 file is that previous version rebuilds the new file fr
 (:func:`fedge.inference.weights_delta.apply_delta`), checks it against the sha256 of the signed manifest
 the delta carries, and hands it on as the version's fp32 variant; it then skips the full fp32 transfer. A
 device that holds another version, or none, ignores the delta and takes the full file, so a missed delta
-costs only bytes. The fp32 file of the last installed version is kept in ``model_dir`` (whatever variant
-serves), so deltas keep working across restarts.
+costs only bytes. The base is the served model file when fp32 serves; when an int8 variant does, the
+version's fp32 file is kept beside it (``base-fp32.onnx``), so deltas keep working across restarts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = ["BASE_FILE", "DeltaReceiver", "DeltaStats"]
 
 log = logging.getLogger(__name__)
 
-BASE_FILE = "base-fp32.onnx"  # the fp32 file of the last installed version: the base of the next delta
+BASE_FILE = "base-fp32.onnx"  # the installed version's fp32 file, kept when an int8 variant serves
 
 
 @dataclass
@@ -51,8 +51,9 @@ class DeltaReceiver:
 
     Parameters
     ----------
-    model_dir : str or Path
-        Where the base file is kept (the agent's ``model_dir``).
+    served : str or Path
+        The served model file (with its manifest beside it): the base when it is fp32. ``base-fp32.onnx``
+        beside it is the base otherwise.
     max_bytes : int
         The largest model accepted; caps what a delta may decode to.
     full : ArtifactSubscriber
@@ -63,9 +64,10 @@ class DeltaReceiver:
     """
 
     def __init__(
-        self, model_dir: str | Path, max_bytes: int, full: ArtifactSubscriber, deliver: Deliver
+        self, served: str | Path, max_bytes: int, full: ArtifactSubscriber, deliver: Deliver
     ) -> None:
-        self.path = Path(model_dir) / BASE_FILE
+        self.served = Path(served)
+        self.path = self.served.with_name(BASE_FILE)
         self.max_elements = max(1, max_bytes // 4)
         self.full = full
         self.deliver = deliver
@@ -98,7 +100,8 @@ class DeltaReceiver:
 
     # -- the base and the rebuild -------------------------------------------------------------------------
     def keep_base(self, data: bytes, manifest: Manifest) -> None:
-        """Remember the fp32 file of the version just installed (atomically; a failure only costs deltas)."""
+        """Keep the fp32 file of the version just installed when an int8 variant serves it (atomically; a
+        failure only costs deltas)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(self.path, data)
@@ -109,11 +112,8 @@ class DeltaReceiver:
     def holds_base(self, meta: dict) -> bool:
         """Whether the base a delta's header (``meta``, its manifest) names is the version held here."""
         extra = meta.get("extra") if isinstance(meta, dict) else None
-        try:
-            held = read_manifest(self.path)
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        return isinstance(extra, dict) and held is not None and extra.get("delta_base") == held.version
+        held = self._base_manifest()
+        return isinstance(extra, dict) and held is not None and extra.get("delta_base") == held[1].version
 
     def rebuild(self, version: str, manifest: Manifest, payload: bytes) -> bytes | None:
         """The fp32 file of ``version`` rebuilt from the delta ``payload`` (``manifest``, signed, describes
@@ -141,11 +141,22 @@ class DeltaReceiver:
         self.stats.applied += 1
         return data
 
+    def _base_manifest(self) -> tuple[Path, Manifest] | None:
+        """The base file and its manifest: the served file if fp32 serves, else the kept fp32 file."""
+        for path in (self.served, self.path):
+            try:
+                manifest = read_manifest(path)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if manifest is not None and manifest.variant == "fp32":
+                return path, manifest
+        return None
+
     def _held(self) -> tuple[str, bytes] | None:
+        base = self._base_manifest()
         try:
-            manifest = read_manifest(self.path)
-            return (manifest.version, self.path.read_bytes()) if manifest is not None else None
-        except (OSError, ValueError, KeyError, TypeError):
+            return (base[1].version, base[0].read_bytes()) if base is not None else None
+        except OSError:
             return None
 
     def _refuse(self, version: str, message: str) -> None:

@@ -12,9 +12,9 @@ import torch
 from waiting import wait_until
 
 from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
-from fedge.inference.delta_receiver import BASE_FILE
+from fedge.inference.delta_receiver import BASE_FILE, DeltaReceiver
 from fedge.inference.distribution import publish_model
-from fedge.inference.manifest import read_manifest, sha256_bytes
+from fedge.inference.manifest import read_manifest, sha256_bytes, write_manifest
 from fedge.inference.serving import ModelServer
 from fedge.server.export import export_onnx
 from fedge.server.model_delta import DeltaPlanner
@@ -61,10 +61,10 @@ def test_a_device_rebuilds_each_new_version_from_a_delta_and_a_late_one_gets_the
         with _agent(mqtt, tmp_path / "dev") as agent:
             wait_until(lambda: agent.server.serving_version == "v1")
             planned = []
-            base = tmp_path / "dev" / BASE_FILE
+            base = tmp_path / "dev" / "model.onnx"  # fp32 serves: the served file is the base
             for i, (data, manifest) in enumerate(versions[1:], start=2):
                 # the base is kept just after the install: a delta that comes sooner is ignored (full file)
-                wait_until(lambda i=i: base.is_file() and read_manifest(base).version == f"v{i - 1}")
+                wait_until(lambda i=i: getattr(read_manifest(base), "version", None) == f"v{i - 1}")
                 plan = planner.plan(f"v{i}", data, manifest)
                 assert plan.delta is not None and plan.delta.base == f"v{i - 1}"
                 assert len(plan.delta.payload) < 0.6 * len(data)  # fp16: about half the model
@@ -117,7 +117,7 @@ def test_a_delta_that_does_not_rebuild_the_signed_file_falls_back_to_the_full_fi
     try:
         with _agent(mqtt, tmp_path / "dev") as agent:
             wait_until(lambda: agent.server.serving_version == "v1")
-            wait_until(lambda: (tmp_path / "dev" / BASE_FILE).is_file())
+            wait_until(lambda: (tmp_path / "dev" / "model.onnx").is_file())
             plan = planner.plan("v2", *versions[1])
             # the full file is the exact export, so the delta (which rebuilds the planned file) misses its sha
             publish_model(publisher, "v2", {"fp32": versions[1]}, delta=plan.delta)
@@ -129,3 +129,38 @@ def test_a_delta_that_does_not_rebuild_the_signed_file_falls_back_to_the_full_fi
             assert "sha256" in status["deltas"]["last_error"]
     finally:
         coordinator.close()
+
+
+def test_the_base_is_the_served_file_when_fp32_serves_else_the_kept_fp32_file(versions, tmp_path):
+    served = tmp_path / "model.onnx"
+    receiver = DeltaReceiver(served, 1 << 26, full=None, deliver=None)  # type: ignore[arg-type]
+    (v1, m1), (v2, m2) = versions[0], versions[1]
+    meta = {"extra": {"delta_base": "v1"}}
+    assert not receiver.holds_base(meta)  # nothing held
+    served.write_bytes(v1)
+    write_manifest(served, m1.with_(version="v1"))
+    assert receiver.holds_base(meta) and not (tmp_path / BASE_FILE).exists()
+    # an int8 variant of v2 serves: the fp32 file of v2 is kept beside it and is the base
+    served.write_bytes(b"int8 bytes")
+    write_manifest(served, m2.with_(version="v2", variant="int8-static"))
+    assert not receiver.holds_base(meta)
+    receiver.keep_base(v2, m2.with_(version="v2"))
+    assert receiver.holds_base({"extra": {"delta_base": "v2"}})
+    planner = DeltaPlanner("fp16")
+    planner.plan("v2", v2, m2)
+    plan = planner.plan("v3", *versions[2])
+    assert (
+        receiver.rebuild(
+            "v3",
+            plan.manifest.with_(
+                version="v3",
+                extra={
+                    **plan.manifest.extra,
+                    "delta_base": "v2",
+                    "delta_base_sha256": plan.delta.base_sha256,
+                },
+            ),
+            plan.delta.payload,
+        )
+        == plan.model
+    )
