@@ -189,6 +189,8 @@ class InferenceAgent:
             self._status_thread.join(timeout=10)
         for subscriber in self.subscribers.values():
             subscriber.stop()
+        if self.deltas is not None:
+            self.deltas.close()
         self.connection.publish(self.group.status_topic(), self._status(online=False), retain=True)
         self.models_connection.close()
         self.connection.close()

@@ -13,6 +13,7 @@ version's fp32 file is kept beside it (``base-fp32.onnx``), so deltas keep worki
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,26 +62,47 @@ class DeltaReceiver:
         after all when the delta fails.
     deliver : callable(version, manifest, data, received_at)
         Hands a rebuilt fp32 file on, as the full file's subscriber would.
+    wait_s : float, default 60
+        How long a delta whose header came may take to arrive whole before the full file is fetched
+        after all (its chunks may be lost: the full transfer was skipped for it).
     """
 
     def __init__(
-        self, served: str | Path, max_bytes: int, full: ArtifactSubscriber, deliver: Deliver
+        self,
+        served: str | Path,
+        max_bytes: int,
+        full: ArtifactSubscriber,
+        deliver: Deliver,
+        *,
+        wait_s: float = 60.0,
     ) -> None:
         self.served = Path(served)
         self.path = self.served.with_name(BASE_FILE)
         self.max_elements = max(1, max_bytes // 4)
         self.full = full
         self.deliver = deliver
+        self.wait_s = wait_s
         self.stats = DeltaStats()
+        self._waiting: dict[str, threading.Timer] = {}  # version -> the fallback to the full file
+        self._lock = threading.Lock()
 
     # -- the delta subscriber's callbacks ------------------------------------------------------------------
     def on_header(self, header: ArtifactHeader) -> None:
         """A delta is coming (paho's thread): if it is of the file held here, the full file need not come."""
         if self.holds_base(header.meta):
             self.full.skip(header.version)
+            timer = threading.Timer(self.wait_s, self._give_up, (header.version,))
+            timer.daemon = True
+            with self._lock:
+                previous = self._waiting.pop(header.version, None)
+                self._waiting[header.version] = timer
+            if previous is not None:
+                previous.cancel()
+            timer.start()
 
     def on_delta(self, header: ArtifactHeader, payload: bytes, received_at: float) -> None:
         """A whole delta (the subscriber's worker): rebuild the file and hand it on, or fetch it in full."""
+        self._arrived(header.version)
         try:
             manifest = Manifest.from_dict(header.meta).with_(version=header.version)
         except (KeyError, TypeError, ValueError) as err:
@@ -95,6 +117,7 @@ class DeltaReceiver:
 
     def on_failed(self, version: str) -> None:
         """The delta's bytes failed their signed checksum: fetch the full file."""
+        self._arrived(version)
         self._refuse(version, "its bytes do not match the signed header")
         self.full.refetch(version)
 
@@ -151,6 +174,26 @@ class DeltaReceiver:
             if manifest is not None and manifest.variant == "fp32":
                 return path, manifest
         return None
+
+    def close(self) -> None:
+        """Cancel the fallbacks still waiting (the agent is stopping)."""
+        with self._lock:
+            timers, self._waiting = list(self._waiting.values()), {}
+        for timer in timers:
+            timer.cancel()
+
+    def _arrived(self, version: str) -> None:
+        with self._lock:
+            timer = self._waiting.pop(version, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _give_up(self, version: str) -> None:
+        with self._lock:
+            if self._waiting.pop(version, None) is None:
+                return  # it arrived meanwhile
+        self._refuse(version, f"not whole within {self.wait_s:g} s")
+        self.full.refetch(version)
 
     def _held(self) -> tuple[str, bytes] | None:
         base = self._base_manifest()

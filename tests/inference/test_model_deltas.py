@@ -19,6 +19,7 @@ from fedge.inference.serving import ModelServer
 from fedge.server.export import export_onnx
 from fedge.server.model_delta import DeltaPlanner
 from fedge.transport.artifact_channel import ArtifactPublisher
+from fedge.transport.artifacts import ArtifactHeader
 from fedge.transport.connection import MqttConnection
 from fedge.transport.topics import Topics
 
@@ -164,3 +165,37 @@ def test_the_base_is_the_served_file_when_fp32_serves_else_the_kept_fp32_file(ve
         )
         == plan.model
     )
+
+
+def test_a_delta_whose_chunks_never_come_falls_back_to_the_full_file(mqtt, versions, tmp_path):
+    """The device skipped the full transfer for the delta: when the delta is not whole in time, it fetches
+    the full file after all."""
+    coordinator = MqttConnection(mqtt(), f"coord-{uuid.uuid4().hex[:6]}")
+    coordinator.start()
+    topics = Topics(coordinator.config.fleet)
+    publisher = ArtifactPublisher(coordinator, topics, chunk_size=16 * 1024)
+    planner = DeltaPlanner("fp16")
+    first = planner.plan("v1", *versions[0])
+    publish_model(publisher, "v1", {"fp32": (first.model, first.manifest)})
+    try:
+        with _agent(mqtt, tmp_path / "dev") as agent:
+            agent.deltas.wait_s = 1.0
+            wait_until(
+                lambda: getattr(read_manifest(tmp_path / "dev" / "model.onnx"), "version", None) == "v1"
+            )
+            plan = planner.plan("v2", *versions[1])
+            # the delta's header only: its chunks are lost
+            meta = plan.manifest.with_(
+                version="v2", extra={**plan.manifest.extra, "variants": ["fp32"], "delta_base": "v1"}
+            )
+            header = ArtifactHeader.for_data(
+                "model-fp32-delta", "v2", plan.delta.payload, 16 * 1024, meta.to_dict()
+            )
+            coordinator.publish(topics.artifact("model-fp32-delta"), header.encode(), retain=True)
+            wait_until(lambda: agent.status()["models"]["fp32-delta"]["receiving"] == "v2")
+            publisher.publish("model-fp32", "v2", plan.model, meta.to_dict())
+            wait_until(lambda: agent.server.serving_version == "v2")
+            status = agent.status()
+            assert status["deltas"]["refused"] == 1 and "not whole" in status["deltas"]["last_error"]
+    finally:
+        coordinator.close()
