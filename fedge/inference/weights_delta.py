@@ -20,8 +20,9 @@ malformed delta :class:`fedge.compression.CodecError`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -150,32 +151,21 @@ def _weight_spans(model: bytes) -> dict[str, _Span]:
 def _tensor_span(model: bytes, start: int, end: int) -> tuple[str, _Span | None]:
     dims: list[int] = []
     name, data_type, raw = "", 0, None
-    pos = start
-    while pos < end:
-        key, pos = _varint(model, pos, end)
-        field, wire = key >> 3, key & 7
+    for field, wire, value in _walk(model, start, end):
         if wire == 0:
-            value, pos = _varint(model, pos, end)
             if field == _TENSOR_DIMS:
                 dims.append(value)
             elif field == _TENSOR_DATA_TYPE:
                 data_type = value
-        elif wire == 2:
-            length, pos = _varint(model, pos, end)
-            if pos + length > end:
-                raise DeltaError("a tensor field runs past its tensor")
-            if field == _TENSOR_NAME:
-                name = model[pos : pos + length].decode("utf-8", "replace")
-            elif field == _TENSOR_RAW_DATA:
-                raw = (pos, length)
-            elif field == _TENSOR_DIMS:  # packed dims
-                packed = pos
-                while packed < pos + length:
-                    value, packed = _varint(model, packed, pos + length)
-                    dims.append(value)
-            pos += length
-        else:
-            pos = _skip(model, pos, end, wire)
+        elif field == _TENSOR_NAME:
+            name = model[value[0] : value[1]].decode("utf-8", "replace")
+        elif field == _TENSOR_RAW_DATA:
+            raw = (value[0], value[1] - value[0])
+        elif field == _TENSOR_DIMS:  # packed dims
+            packed, stop = value
+            while packed < stop:
+                dim, packed = _varint(model, packed, stop)
+                dims.append(dim)
     if data_type != _FLOAT or raw is None:
         return name, None  # not a float32 weight stored as raw bytes: a delta leaves it alone
     elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
@@ -184,25 +174,34 @@ def _tensor_span(model: bytes, start: int, end: int) -> tuple[str, _Span | None]
     return name, _Span(raw[0], raw[1], tuple(dims))
 
 
-def _fields(model: bytes, start: int, end: int):
+def _fields(model: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
     """(field number, start, end) of every length-delimited field between ``start`` and ``end``."""
+    for field, wire, value in _walk(model, start, end):
+        if wire == 2:
+            yield field, *value
+
+
+def _walk(model: bytes, start: int, end: int) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of every field between ``start`` and ``end``: a varint's value, a
+    length-delimited field's (start, end); fixed-width fields are skipped."""
     pos = start
     while pos < end:
         key, pos = _varint(model, pos, end)
         field, wire = key >> 3, key & 7
-        if wire == 2:
+        if wire == 0:
+            value, pos = _varint(model, pos, end)
+            yield field, wire, value
+        elif wire == 2:
             length, pos = _varint(model, pos, end)
             if pos + length > end:
-                raise DeltaError("a field runs past the end of the model")
-            yield field, pos, pos + length
+                raise DeltaError("a field runs past the end of its message")
+            yield field, wire, (pos, pos + length)
             pos += length
         else:
             pos = _skip(model, pos, end, wire)
 
 
 def _skip(model: bytes, pos: int, end: int, wire: int) -> int:
-    if wire == 0:
-        return _varint(model, pos, end)[1]
     if wire in (1, 5):
         pos += 8 if wire == 1 else 4
         if pos > end:
