@@ -64,18 +64,15 @@ def publish_model(
     if "fp32" not in files:
         raise ValueError("a model version must include its fp32 variant (the reference every device accepts)")
     names = sorted(files)
-    headers = []
+    artifacts = []  # (variant, bytes, manifest, facts the meta adds), in publishing order
     if delta is not None:
-        manifest = files["fp32"][1]
         facts = {"delta_base": delta.base, "delta_base_sha256": delta.base_sha256, "delta_codec": delta.codec}
+        artifacts.append((DELTA, delta.payload, files["fp32"][1], facts))
+    artifacts += [(v, *files[v], {}) for v in sorted(names, key=lambda v: v == "fp32")]
+    headers = []
+    for variant, data, manifest, facts in artifacts:
         meta = manifest.with_(version=version, extra={**manifest.extra, "variants": names, **facts})
-        headers.append(
-            publisher.publish(variant_artifact(artifact, DELTA), version, delta.payload, meta.to_dict())
-        )
-    for variant in sorted(names, key=lambda v: v == "fp32"):
-        data, manifest = files[variant]
-        meta = manifest.with_(version=version, extra={**manifest.extra, "variants": names}).to_dict()
-        headers.append(publisher.publish(variant_artifact(artifact, variant), version, data, meta))
+        headers.append(publisher.publish(variant_artifact(artifact, variant), version, data, meta.to_dict()))
     return headers
 
 
