@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,12 +183,6 @@ def test_transfer_interrupted_mid_way_resumes_from_retained_chunks(mqtt, coordin
         assert kept["sha256"] == fp32.sha256
 
 
-def thread_nice_of(tid: int) -> int:
-    """A thread of this process's nice value (field 19 of /proc/self/task/<tid>/stat)."""
-    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[16])
-
-
 def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, variants, digits_test, tmp_path):
     """With replicas = 2 each replica leaves the shared request group to fetch and swap while the other
     answers."""
@@ -207,7 +201,7 @@ def test_two_replicas_take_turns_so_one_always_answers(mqtt, coordinator, varian
         wait_until(lambda: all(r.group._peer_serving() for r in replicas))  # each sees the other's status
         if all(r.model_work_lowered for r in replicas):  # where the OS lets a thread lower itself
             # model threads (chunks, checks, installs) run lowered; the request threads do not
-            nice = {t.name: thread_nice_of(t.native_id) for t in threading.enumerate()}
+            nice = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()}
             assert all(v == config.model_work_nice for k, v in nice.items() if k.startswith("artifact-model"))
             assert nice["paho-mqtt-client-dev-1-models"] == nice["paho-mqtt-client-dev-1-models-1"] == 10
             assert nice["paho-mqtt-client-dev-1-infer"] == nice["MainThread"]
