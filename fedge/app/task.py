@@ -90,11 +90,13 @@ class Task(ABC):
     **Export to ONNX.** When export is on (``export_every``; the coordinator service exports every round by
     default), the coordinator exports the global model after rounds
     (:mod:`fedge.server.model_export`): the module exported is :meth:`model` with the round's global weights
-    loaded, in eval mode, called as ``module(x)`` on one float32 tensor batch, returning one tensor whose
-    axis 0 is the batch. :meth:`export_inputs` supplies the example input, the held-out inputs the file is
+    loaded, in eval mode, called as ``module(x)`` on one tensor batch (floating inputs as float32; integer
+    and boolean ones, such as token ids and masks, keep their type), returning a tensor, or a tuple, list or
+    dict of tensors (exported as outputs ``logits``, ``logits_1``, ...; every one verified), whose axis 0
+    is the batch. :meth:`export_inputs` supplies the example input, the held-out inputs the file is
     verified on (ONNX Runtime within 1e-4 of torch at batch 1 and 8), int8 calibration inputs and labelled
     data for the manifest's accuracy; by default it slices :meth:`test_set`. A model the exporter cannot
-    handle (several inputs, non-float inputs, a forward that leaves torch) fails each export: a warning in
+    handle (several inputs, a forward that leaves torch) fails each export: a warning in
     the log, ``export_failures`` in the round's metrics, and the run goes on. A task whose model is not
     meant to be exported returns None from :meth:`export_inputs`: nothing is exported and the log says so.
     """
@@ -180,16 +182,18 @@ class Task(ABC):
         """What the coordinator exports the global model to ONNX with; None: the model is not exported.
 
         Called once per run on the coordinator, with the run's :meth:`test_set`, and only when export is on.
-        The default takes the test features as float32: ``example`` the first 2 rows, ``held_out`` the first
-        8 (verification at batch 1 and 8), ``calibration`` the first 256 (the int8-static variant's
-        activation ranges), ``labelled`` the whole test set (each variant's accuracy, measured with ONNX
-        Runtime, in its manifest). Override it to calibrate on other data, to bound the cost of the
-        accuracy measurement on a large test set, or to return None for a model that must not be exported.
+        The default takes the test features (floating ones as float32; integer ones, such as token ids, as
+        they are): ``example`` the first 2 rows, ``held_out`` the first 8 (verification at batch 1 and 8),
+        ``calibration`` the first 256 (the int8-static variant's activation ranges), ``labelled`` the whole
+        test set (each variant's accuracy, measured with ONNX Runtime, in its manifest). Override it to
+        calibrate on other data, to bound the cost of the accuracy measurement on a large test set, or to
+        return None for a model that must not be exported.
         """
         from fedge.server.model_export import ExportInputs
 
         features, labels = (t.detach().cpu().numpy() for t in test_set)
-        features = features.astype("float32", copy=False)
+        if features.dtype.kind == "f":
+            features = features.astype("float32", copy=False)
         return ExportInputs(
             example=features[:2],
             held_out=features[:8],

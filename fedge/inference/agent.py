@@ -40,6 +40,7 @@ from fedge.config import ConfigError
 from fedge.inference.agent_config import InferenceAgentConfig, read_canary
 from fedge.inference.delta_receiver import DeltaReceiver
 from fedge.inference.distribution import DELTA, Choice, VariantCollector, choose_variant, variant_artifact
+from fedge.inference.feeds import manifest_dtype
 from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.inference.manifest import Manifest, write_manifest
 from fedge.inference.priority import start_at_lower_priority
@@ -349,8 +350,8 @@ class InferenceAgent:
         """Inputs to measure variants on: the canary's, or zeros of the model's input shape."""
         if self.canary is not None:
             return self.canary.inputs
-        shape = [d if isinstance(d, int) else 1 for d in manifest.inputs[0].shape]
-        return np.zeros(shape, dtype=np.float32)
+        spec = manifest.inputs[0]
+        return np.zeros([d if isinstance(d, int) else 1 for d in spec.shape], manifest_dtype(spec.dtype))
 
     def _log_swap(
         self, version: str, variant: str, ok: bool, reason: str, message: str, **facts: Any

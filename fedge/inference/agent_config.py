@@ -135,7 +135,7 @@ def read_canary(path: str, min_accuracy: float) -> Canary | None:
         return None
     try:
         with np.load(path, allow_pickle=False) as data:
-            inputs = data["inputs"].astype(np.float32)
+            inputs = data["inputs"]  # fed in the model's input type when used
             labels = data["labels"] if "labels" in data.files else None
     except (OSError, KeyError, ValueError) as err:
         raise ConfigError(f"canary file {path} cannot be read: {err}") from None

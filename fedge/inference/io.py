@@ -28,7 +28,9 @@ class InputError(ValueError):
 
 
 def read_inputs(path: str | Path) -> np.ndarray:
-    """Rows of ``float32`` inputs from ``.npy`` (any shape, batch first) or ``.csv`` (one row per line)."""
+    """Rows of inputs from ``.npy`` (any shape, batch first; its dtype kept) or ``.csv`` (one row per line,
+    read as float32); the server feeds them in the type the model declares
+    (:func:`~fedge.inference.feeds.as_input`)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"input file {path} does not exist")
@@ -43,9 +45,9 @@ def read_inputs(path: str | Path) -> np.ndarray:
         if isinstance(err, InputError):
             raise
         raise InputError(f"cannot read {path}: {err}") from None
-    if data.ndim == 0 or not np.issubdtype(data.dtype, np.number):
+    if data.ndim == 0 or not _numeric(data):
         raise InputError(f"{path} holds {data.dtype} of shape {data.shape}, not numeric rows")
-    return data.astype(np.float32, copy=False)
+    return data
 
 
 def fit_to_shape(rows: np.ndarray, shape: list[int | str | None]) -> np.ndarray:
@@ -89,7 +91,8 @@ def encode_array(array: np.ndarray) -> bytes:
 
 
 def decode_array(payload: bytes, *, max_bytes: int, max_rows: int) -> np.ndarray:
-    """A numeric array from untrusted ``.npy`` bytes, with caps; :class:`InputError` names what is wrong.
+    """A numeric (or boolean) array from untrusted ``.npy`` bytes, with caps, its dtype kept;
+    :class:`InputError` names what is wrong.
 
     The payload is size-checked before parsing and pickles are refused, so a request can neither make the
     device allocate more than ``max_bytes`` nor run code.
@@ -100,11 +103,11 @@ def decode_array(payload: bytes, *, max_bytes: int, max_rows: int) -> np.ndarray
         array = np.load(io.BytesIO(payload), allow_pickle=False)
     except (OSError, ValueError, EOFError) as err:
         raise InputError(f"request is not a .npy array: {err}") from None
-    if not isinstance(array, np.ndarray) or array.ndim == 0 or not np.issubdtype(array.dtype, np.number):
+    if not isinstance(array, np.ndarray) or array.ndim == 0 or not _numeric(array):
         raise InputError("request must be a numeric array with a batch axis")
     if len(array) > max_rows:
         raise InputError(f"request batch of {len(array)} rows exceeds the cap of {max_rows}")
-    return array.astype(np.float32, copy=False)
+    return array
 
 
 _NPZ_MAGIC = b"PK\x03\x04"
@@ -142,7 +145,7 @@ def decode_arrays(payload: bytes, *, max_bytes: int, max_rows: int) -> dict[str,
             for member in members:
                 name = member.filename.removesuffix(".npy")
                 array = np.load(io.BytesIO(archive.read(member)), allow_pickle=False)
-                if array.ndim == 0 or not np.issubdtype(array.dtype, np.number):
+                if array.ndim == 0 or not _numeric(array):
                     raise InputError(f"array {name!r} is not numeric with a batch axis")
                 if len(array) > max_rows:
                     raise InputError(f"array {name!r} has {len(array)} rows, more than the cap of {max_rows}")
@@ -152,3 +155,8 @@ def decode_arrays(payload: bytes, *, max_bytes: int, max_rows: int) -> dict[str,
             raise
         raise InputError(f"request is not a readable .npz archive: {err}") from None
     return arrays
+
+
+def _numeric(array: np.ndarray) -> bool:
+    """Numbers or booleans: what a model input can be made of (complex numbers and objects are not)."""
+    return array.dtype.kind in "biuf"

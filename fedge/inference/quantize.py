@@ -42,7 +42,8 @@ class ArrayCalibrationReader(_reader_base()):  # type: ignore[misc]
 
     def __init__(self, input_name: str, data: np.ndarray, batch_size: int = 32) -> None:
         self.input_name = input_name
-        self.data = np.ascontiguousarray(data, dtype=np.float32)
+        data = np.asarray(data)  # floats are fed as float32; token ids and masks keep their type
+        self.data = np.ascontiguousarray(data, dtype=None if data.dtype.kind in "biu" else np.float32)
         self.batch_size = batch_size
         self._batches: Iterator[np.ndarray] = iter(())
         self.rewind()

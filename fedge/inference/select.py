@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedge.inference.feeds import as_input, onnx_dtype
 from fedge.inference.session import SessionConfig, make_session
 
 __all__ = ["Selection", "VariantMeasurement", "measure_latency", "measure_variants", "select_variant"]
@@ -55,8 +56,8 @@ class Selection:
 def measure_latency(
     session, input_name: str, batch: np.ndarray, *, runs: int = 50, warmup: int = 5
 ) -> tuple[float, float]:
-    """``(p50, p95)`` milliseconds of ``session.run`` on ``batch``."""
-    feed = {input_name: np.ascontiguousarray(batch, dtype=np.float32)}
+    """``(p50, p95)`` milliseconds of ``session.run`` on ``batch`` (fed in the input's declared type)."""
+    feed = {input_name: as_input(batch, _input_dtype(session, input_name), input_name)}
     for _ in range(warmup):
         session.run(None, feed)
     times = np.empty(runs)
@@ -96,7 +97,7 @@ def measure_variants(
     rounds = 3
     for _ in range(rounds):
         for batch in batches:
-            rows = np.resize(sample, (batch, *sample.shape[1:])).astype(np.float32)
+            rows = np.resize(sample, (batch, *sample.shape[1:]))
             for name, session in sessions.items():
                 name_in = session.get_inputs()[0].name
                 measured = measure_latency(session, name_in, rows, runs=max(1, runs // rounds), warmup=warmup)
@@ -149,8 +150,13 @@ def select_variant(
 
 def _accuracy(session, features: np.ndarray, labels: np.ndarray, batch: int = 256) -> float:
     name = session.get_inputs()[0].name
+    dtype = _input_dtype(session, name)
     correct = 0
     for i in range(0, len(features), batch):
-        logits = session.run(None, {name: np.ascontiguousarray(features[i : i + batch], dtype=np.float32)})[0]
+        logits = session.run(None, {name: as_input(features[i : i + batch], dtype, name)})[0]
         correct += int((logits.argmax(axis=1) == labels[i : i + batch]).sum())
     return correct / max(1, len(labels))
+
+
+def _input_dtype(session, name: str) -> np.dtype:
+    return next(onnx_dtype(i.type) for i in session.get_inputs() if i.name == name)

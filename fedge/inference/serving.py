@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from fedge.inference.feeds import as_input, onnx_dtype, zeros_input
+from fedge.inference.io import InputError
 from fedge.inference.manifest import Manifest, ModelCheckError, read_manifest, sha256_bytes
 from fedge.inference.session import SessionConfig, check_model_bytes, make_session, output_is_finite
 
@@ -57,6 +59,12 @@ class LoadedModel:
     manifest: Manifest | None
     input_name: str
     loaded_at: float
+    input_types: dict[str, np.dtype] = field(default_factory=dict)  # every graph input's element type
+
+    def feed(self, name: str, array: np.ndarray) -> np.ndarray:
+        """``array`` in the type input ``name`` declares (:func:`~fedge.inference.feeds.as_input`)."""
+        dtype = self.input_types.get(name)
+        return np.ascontiguousarray(array) if dtype is None else as_input(array, dtype, name)
 
 
 @dataclass(frozen=True)
@@ -143,23 +151,19 @@ class ModelServer:
         model = self._current  # read once: a concurrent swap does not affect this request
         if model is None:
             raise RuntimeError("no model loaded: call load() or swap() first")
+        feed = {model.input_name: model.feed(model.input_name, inputs)}
         start = time.perf_counter()
-        out = model.session.run(None, {model.input_name: np.ascontiguousarray(inputs, dtype=np.float32)})[0]
+        out = model.session.run(None, feed)[0]
         self._latencies.append(time.perf_counter() - start)
         return out, model.version
 
     def run_named(self, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
         """Run the current model on named inputs (a multi-input model, a pipeline stage); every output by
-        name, with the version that answered. Floating inputs are fed as float32, others as they are."""
+        name, with the version that answered. Each input is fed in the type the graph declares for it."""
         model = self._current  # read once, as in predict_versioned
         if model is None:
             raise RuntimeError("no model loaded: call load() or swap() first")
-        feed = {
-            name: np.ascontiguousarray(a, dtype=np.float32)
-            if a.dtype.kind == "f"
-            else np.ascontiguousarray(a)
-            for name, a in feeds.items()
-        }
+        feed = {name: model.feed(name, a) for name, a in feeds.items()}
         start = time.perf_counter()
         names = [o.name for o in model.session.get_outputs()]
         outputs = model.session.run(names, feed)
@@ -223,11 +227,12 @@ class ModelServer:
                     session = self._builder.submit(make_session, data, self.config).result()
                 except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
                     raise ModelCheckError("load", f"{type(err).__name__}: {err}") from err
-                input_name = session.get_inputs()[0].name
-                accuracy = self._check_canary(session, input_name, canary)
+                inputs = session.get_inputs()
+                input_types = {i.name: onnx_dtype(i.type) for i in inputs}
+                accuracy = self._check_canary(session, inputs[0].name, input_types, canary)
             except ModelCheckError as err:
                 return self._refuse(err.reason, str(err), time.perf_counter() - start, version)
-            new = LoadedModel(session, version, manifest, input_name, time.time())
+            new = LoadedModel(session, version, manifest, inputs[0].name, time.time(), input_types)
             previous = self._current
             self._current = new  # the swap itself: one reference assignment
             self.swaps += 1
@@ -240,16 +245,20 @@ class ModelServer:
             )
 
     def _check_canary(
-        self, session: ort.InferenceSession, input_name: str, canary: Canary | None
+        self,
+        session: ort.InferenceSession,
+        input_name: str,
+        input_types: dict[str, np.dtype],
+        canary: Canary | None,
     ) -> float | None:
         """Warm the new session (on the canary when there is one) and judge its outputs."""
-        if canary is None:  # zeros for every input (a pipeline stage may have several)
-            feed = {
-                i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], _dtype(i.type))
-                for i in session.get_inputs()
-            }
-        else:
-            feed = {input_name: np.ascontiguousarray(canary.inputs, dtype=np.float32)}
+        try:
+            if canary is None:  # zeros for every input (a pipeline stage may have several)
+                feed = {i.name: zeros_input(i.shape, i.type) for i in session.get_inputs()}
+            else:
+                feed = {input_name: as_input(canary.inputs, input_types[input_name], "the canary's inputs")}
+        except InputError as err:  # the canary does not fit this model's input type
+            raise ModelCheckError("canary", str(err)) from err
         try:
             outputs: list[np.ndarray] = []
             for _ in range(max(1, self.warmup_runs)):
@@ -272,16 +281,3 @@ class ModelServer:
         previous = self._current.version if self._current else None
         log.warning("model %s refused (%s); still serving %s", version, message, previous)
         return SwapResult(False, previous or "", previous, reason=reason, message=message, build_s=build_s)
-
-
-def _dtype(onnx_type: str) -> np.dtype:
-    """numpy's dtype for an ONNX Runtime input type such as ``"tensor(float)"`` (float32 if unknown)."""
-    names = {
-        "tensor(int64)": np.int64,
-        "tensor(int32)": np.int32,
-        "tensor(double)": np.float64,
-        "tensor(float16)": np.float16,
-        "tensor(bool)": np.bool_,
-        "tensor(uint8)": np.uint8,
-    }
-    return np.dtype(names.get(onnx_type, np.float32))

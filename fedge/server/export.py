@@ -100,6 +100,8 @@ def export_onnx(
         The global model (put in eval mode for the export, restored after).
     example_input : tensor or ndarray
         One input batch of the right shape (the task's test features serve: ``task.test_set(...)[0][:2]``).
+        Floating inputs are exported as float32; integer and boolean inputs (token ids, masks) keep
+        their type.
     path : path
         Where the ``.onnx`` file goes; the manifest is ``path + ".json"``.
     held_out : ndarray, optional
@@ -114,7 +116,7 @@ def export_onnx(
     """
     config = config or ExportConfig()
     path = Path(path)
-    example = torch.as_tensor(np.asarray(example_input, dtype=np.float32))
+    example = torch.as_tensor(_model_input(example_input))
     if example.shape[0] < 2:  # an example axis of size 1 may be exported as fixed (DESIGN.md 5)
         example = example.repeat(2, *([1] * (example.dim() - 1)))
     exporter = config.resolved_exporter()
@@ -153,7 +155,7 @@ def verify_onnx(
     run the file (e.g. a batch axis exported as fixed).
     """
     config = config or ExportConfig()
-    inputs = np.asarray(inputs, dtype=np.float32)
+    inputs = _model_input(inputs)
     try:
         session = make_session(data)
     except Exception as err:
@@ -168,24 +170,48 @@ def verify_onnx(
     name = session.get_inputs()[0].name
     worst = 0.0
     for batch in config.verify_batches:
-        rows = np.resize(inputs, (batch, *inputs.shape[1:])).astype(np.float32)
+        rows = np.resize(inputs, (batch, *inputs.shape[1:]))
         with torch.no_grad():
-            expected = model(torch.from_numpy(rows)).numpy()
+            expected = [t.numpy() for t in _flat_outputs(model(torch.from_numpy(rows)))]
         try:
-            got = session.run(None, {name: rows})[0]
+            got = session.run(None, {name: rows})
         except Exception as err:
             raise ExportError("verify", f"batch {batch}: {type(err).__name__}: {err}") from err
-        if got.shape != expected.shape:
-            raise ExportError(
-                "verify", f"batch {batch}: output shape {got.shape}, torch gives {expected.shape}"
-            )
-        diff = float(np.max(np.abs(got - expected))) if got.size else 0.0
-        if not np.isfinite(diff) or diff > config.tolerance:
-            raise ExportError(
-                "verify", f"batch {batch}: max abs diff {diff:.3g} > tolerance {config.tolerance:g}"
-            )
-        worst = max(worst, diff)
+        if len(got) != len(expected):
+            raise ExportError("verify", f"{len(got)} outputs in the export, torch gives {len(expected)}")
+        for index, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+            worst = max(worst, _output_diff(batch, index, ours, theirs, config.tolerance))
     return worst
+
+
+def _model_input(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Inputs as exported and verified: floating values as float32; integers and booleans as they are."""
+    array = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    if array.dtype.kind not in "biuf":
+        raise ExportError("export", f"the model's input is {array.dtype}, not numbers or booleans")
+    return array.astype(np.float32) if array.dtype.kind == "f" else array
+
+
+def _flat_outputs(result: object) -> list[torch.Tensor]:
+    """A forward's result as the exporters flatten it: a tensor, or tuples, lists and dicts of tensors."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, dict):
+        result = list(result.values())
+    if isinstance(result, (tuple, list)):
+        return [tensor for item in result for tensor in _flat_outputs(item)]
+    raise ExportError("export", f"the model returns {type(result).__name__}, not tensors")
+
+
+def _output_diff(batch: int, index: int, got: np.ndarray, expected: np.ndarray, tolerance: float) -> float:
+    """Max abs difference of one output; :class:`ExportError` if the shapes differ or it exceeds the bound."""
+    where = f"batch {batch}" + (f", output {index}" if index else "")
+    if got.shape != expected.shape:
+        raise ExportError("verify", f"{where}: output shape {got.shape}, torch gives {expected.shape}")
+    diff = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.size else 0.0
+    if not np.isfinite(diff) or diff > tolerance:
+        raise ExportError("verify", f"{where}: max abs diff {diff:.3g} > tolerance {tolerance:g}")
+    return diff
 
 
 def export_variants(
@@ -261,8 +287,11 @@ def export_variants(
 
 
 def _export_bytes(model: nn.Module, example: torch.Tensor, config: ExportConfig, exporter: str) -> bytes:
-    names = {"input_names": [config.input_name], "output_names": [config.output_name]}
     try:
+        with torch.no_grad():
+            count = len(_flat_outputs(model(example)))
+        outputs = [config.output_name] + [f"{config.output_name}_{i}" for i in range(1, count)]
+        names = {"input_names": [config.input_name], "output_names": outputs}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice, tracer warnings
             if exporter == "dynamo":
@@ -285,10 +314,12 @@ def _export_bytes(model: nn.Module, example: torch.Tensor, config: ExportConfig,
                 buffer,
                 dynamo=False,
                 opset_version=config.opset,
-                dynamic_axes={config.input_name: {0: "batch"}, config.output_name: {0: "batch"}},
+                dynamic_axes={name: {0: "batch"} for name in (config.input_name, *outputs)},
                 **names,
             )
             return buffer.getvalue()
+    except ExportError:
+        raise
     except Exception as err:
         raise ExportError("export", f"{exporter} exporter: {type(err).__name__}: {err}") from err
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedge.compression import build_codec
+from fedge.inference.feeds import zeros_input
 from fedge.inference.manifest import Manifest, sha256_bytes
 from fedge.inference.session import make_session
 from fedge.inference.weights_delta import WeightsDelta, encode_delta, read_weights, same_graph
@@ -91,11 +92,10 @@ def _max_output_diff(exact: bytes, rebuilt: bytes) -> float:
     sessions = [make_session(exact), make_session(rebuilt)]
     rng = np.random.default_rng(0)
     feeds = {}
-    for spec in sessions[0].get_inputs():
-        shape = [d if isinstance(d, int) else 8 for d in spec.shape]
-        floats = spec.type in ("tensor(float)", "tensor(double)")
-        dtype = np.float32 if spec.type == "tensor(float)" else np.float64 if floats else np.int64
-        feeds[spec.name] = rng.standard_normal(shape).astype(dtype) if floats else np.zeros(shape, dtype)
+    for spec in sessions[0].get_inputs():  # random floats; zeros for token ids and masks (always valid)
+        zeros = zeros_input(spec.shape, spec.type, batch=8)
+        floats = zeros.dtype.kind == "f"
+        feeds[spec.name] = rng.standard_normal(zeros.shape).astype(zeros.dtype) if floats else zeros
     outputs = [session.run(None, feeds) for session in sessions]
     worst = 0.0
     for a, b in zip(*outputs, strict=True):

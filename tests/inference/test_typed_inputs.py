@@ -1,0 +1,272 @@
+"""Models beyond float images: token-id inputs (int64) and several outputs, from export to serving.
+
+Real exports (torch's exporter), real int8 quantization and real ONNX Runtime sessions throughout.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import typer
+from torch import nn
+from typer.testing import CliRunner
+
+from fedge.app.task import load_task
+from fedge.cli.predict import predict
+from fedge.inference import InputError, ModelServer, make_session
+from fedge.inference.feeds import as_input, manifest_dtype, onnx_dtype
+from fedge.inference.io import decode_array, encode_array
+from fedge.inference.select import measure_variants
+from fedge.server.export import ExportError, export_onnx, export_variants
+
+VOCAB, LENGTH, CLASSES = 50, 12, 4
+
+
+class _TokenClassifier(nn.Module):
+    """Token ids in, class logits out: an embedding, a GRU and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.gru = nn.GRU(16, 24, batch_first=True)
+        self.head = nn.Linear(24, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.gru(self.embed(tokens))
+        return self.head(hidden[:, -1])
+
+
+class _TwoHeads(nn.Module):
+    """Two outputs: class logits and the features before the head (a dict when ``as_dict``)."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        super().__init__()
+        self.body, self.head, self.as_dict = nn.Linear(6, 5), nn.Linear(5, 3), as_dict
+
+    def forward(self, x: torch.Tensor):
+        features = torch.relu(self.body(x))
+        logits = self.head(features)
+        return {"logits": logits, "features": features} if self.as_dict else (logits, features)
+
+
+class _NoisySecondOutput(nn.Module):
+    """Its second output is fresh noise: an export cannot reproduce it, so verification must fail on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor):
+        return self.linear(x), torch.rand(x.shape[0], 2)
+
+
+@pytest.fixture(scope="module")
+def token_model():
+    torch.manual_seed(0)
+    return _TokenClassifier().eval()
+
+
+@pytest.fixture(scope="module")
+def tokens() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, VOCAB, (64, LENGTH), dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def token_variants(token_model, tokens, tmp_path_factory):
+    labels = np.random.default_rng(1).integers(0, CLASSES, len(tokens))
+    return export_variants(
+        token_model,
+        tokens[:1],
+        tmp_path_factory.mktemp("tokens"),
+        calibration=tokens,
+        labelled=(tokens, labels),
+        variants=("fp32", "int8-static", "int8-dynamic"),
+        version="t1",
+    )
+
+
+def _torch(model: nn.Module, rows: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(rows)).numpy()
+
+
+def test_as_input_converts_only_what_fits_exactly():
+    int64 = np.dtype(np.int64)
+    assert as_input(np.array([[1.0, 2.0]]), int64).dtype == int64  # a CSV's whole floats become ids
+    assert as_input(np.array([[1, 2]], np.int32), np.dtype(np.float32)).dtype == np.float32
+    assert as_input(np.array([[0, 1]]), np.dtype(bool)).tolist() == [[False, True]]
+    same = np.zeros((2, 3), np.int64)
+    assert as_input(same, int64) is same  # no copy when it already fits
+    for bad, dtype, message in [
+        (np.array([[1.5]]), int64, "not all whole numbers"),
+        (np.array([[np.nan]]), int64, "not all whole numbers"),
+        (np.array([[300]]), np.dtype(np.uint8), "do not fit"),
+        (np.array([[-1]]), np.dtype(np.uint8), "do not fit"),
+        (np.array([[2]]), np.dtype(bool), "not all 0 or 1"),
+        (np.array([["a"]]), np.dtype(np.float32), "the model takes float32"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            as_input(bad, dtype)
+
+
+def test_dtype_names_map_to_numpy_and_unknown_ones_to_float32():
+    assert onnx_dtype("tensor(int64)") == np.int64 and onnx_dtype("tensor(bool)") == np.bool_
+    assert onnx_dtype("tensor(string)") == np.float32
+    assert manifest_dtype("float32") == np.float32 and manifest_dtype("int32") == np.int32
+    assert manifest_dtype("object") == np.float32  # a manifest never makes the device build objects
+
+
+def test_requests_keep_their_integer_type_on_the_wire():
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    decoded = decode_array(encode_array(ids), max_bytes=1 << 16, max_rows=8)
+    assert decoded.dtype == np.int64 and (decoded == ids).all()
+
+
+def test_a_token_id_model_exports_quantizes_and_serves(token_model, tokens, token_variants):
+    fp32_path, fp32 = token_variants["fp32"]
+    assert fp32.inputs[0].dtype == "int64" and fp32.inputs[0].shape[1:] == (LENGTH,)
+    assert fp32.extra["max_abs_diff"] <= 1e-4
+    for variant in ("int8-static", "int8-dynamic"):
+        path, manifest = token_variants[variant]
+        assert manifest.inputs[0].dtype == "int64" and manifest.accuracy is not None
+        logits = make_session(path).run(None, {"input": tokens[:8]})[0]
+        assert logits.shape == (8, CLASSES) and np.isfinite(logits).all()
+
+    server = ModelServer(warmup_runs=1)
+    assert server.load(fp32_path).ok
+    expected = _torch(token_model, tokens[:5])
+    assert np.abs(server.predict(tokens[:5]) - expected).max() <= 1e-4
+    # the same ids written as floats (a CSV's) are fed as int64; fractional ones are refused, not truncated
+    assert np.abs(server.predict(tokens[:5].astype(np.float64)) - expected).max() <= 1e-4
+    with pytest.raises(InputError, match="whole numbers"):
+        server.predict(tokens[:5] + 0.5)
+
+    measured = measure_variants({v: p for v, (p, _) in token_variants.items()}, tokens[:4], runs=6, warmup=1)
+    assert {m.variant for m in measured} == set(token_variants)
+    assert all(m.latency_ms[1][0] > 0 and m.latency_ms[32][0] > 0 for m in measured)
+
+
+def test_a_canary_of_token_ids_guards_a_token_model(token_variants, tokens):
+    from fedge.inference import Canary
+
+    server = ModelServer(warmup_runs=1)
+    path = token_variants["fp32"][0]
+    assert server.load(path, canary=Canary(tokens[:16].astype(np.float32))).ok  # whole floats fit
+    refused = server.load(path, canary=Canary(tokens[:16] + 0.25))
+    assert not refused.ok and refused.reason == "canary" and "whole numbers" in refused.message
+
+
+def test_predict_cli_reads_token_ids_from_csv(token_model, token_variants, tokens, tmp_path):
+    app = typer.Typer()
+    app.command()(predict)
+    app.command("other")(lambda: None)
+    inputs = tmp_path / "ids.csv"
+    np.savetxt(inputs, tokens[:6], delimiter=",", fmt="%d")
+    result = CliRunner().invoke(
+        app, ["predict", "--model", str(token_variants["fp32"][0]), "--input", str(inputs), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["predictions"] == _torch(token_model, tokens[:6]).argmax(axis=1).tolist()
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_every_output_of_a_two_headed_model_is_exported_and_verified(as_dict, tmp_path):
+    torch.manual_seed(0)
+    model = _TwoHeads(as_dict).eval()
+    rows = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
+    manifest = export_onnx(model, rows[:2], tmp_path / "two.onnx")
+    assert [o.name for o in manifest.outputs] == ["logits", "logits_1"]
+    got = make_session(tmp_path / "two.onnx").run(None, {"input": rows})
+    with torch.no_grad():
+        out = model(torch.from_numpy(rows))
+    expected = list(out.values()) if as_dict else list(out)
+    assert len(got) == 2
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.shape == tuple(theirs.shape) and np.abs(ours - theirs.numpy()).max() <= 1e-4
+    server = ModelServer(warmup_runs=1)
+    assert server.load(tmp_path / "two.onnx").ok
+    named, _ = server.run_named({"input": rows})
+    assert set(named) == {"logits", "logits_1"}
+
+
+def test_verification_checks_outputs_after_the_first(tmp_path):
+    with pytest.raises(ExportError, match="output 1: max abs diff") as info:
+        export_onnx(_NoisySecondOutput().eval(), np.ones((2, 6), np.float32), tmp_path / "noisy.onnx")
+    assert info.value.stage == "verify" and not (tmp_path / "noisy.onnx").exists()
+
+
+def test_inputs_that_are_not_numbers_are_an_export_error(tmp_path):
+    with pytest.raises(ExportError, match="not numbers"):
+        export_onnx(_TwoHeads(), np.array([["a"] * 6]), tmp_path / "x.onnx")
+
+
+TOKEN_TASK = '''
+import numpy as np
+import torch
+from torch import nn
+from fedge.app.task import Task
+
+VOCAB, LENGTH = 50, 12
+
+
+class TokenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(dim=1))
+
+
+def _data(seed, rows):
+    """Token sequences; the label says whether any of the tokens 0-4 occurs."""
+    tokens = np.random.default_rng(seed).integers(5, VOCAB, (rows, LENGTH))
+    labels = np.arange(rows) % 2
+    tokens[labels == 1, 3] = np.arange(rows)[labels == 1] % 5
+    return torch.from_numpy(tokens), torch.from_numpy(labels)
+
+
+class TokenTask(Task):
+    def model(self):
+        return TokenNet()
+
+    def load_partition(self, partition_id, num_partitions, *, alpha, seed):
+        return _data(1000 * seed + partition_id, 256)
+
+    def test_set(self, num_partitions, *, alpha, seed):
+        return _data(7, 256)
+'''
+
+
+def test_a_token_task_trains_federated_and_every_round_exports_an_int64_model(tmp_path):
+    """The whole path with a task fedge has not seen: a simulation exports every round, with int8."""
+    from fedge.cli import app as cli
+
+    (tmp_path / "tokens.py").write_text(TOKEN_TASK)
+    (tmp_path / "run.toml").write_text(
+        f'task = "{tmp_path / "tokens.py"}:TokenTask"\nclients = 2\nrounds = 2\nlocal-epochs = 2\n'
+        'learning-rate = 0.5\nexport-every = 1\nexport-variants = ["fp32", "int8-dynamic", "int8-static"]\n'
+    )
+    out = tmp_path / "run"
+    args = ["simulate", "--config", str(tmp_path / "run.toml"), "--workers", "2", "--out", str(out)]
+    result = CliRunner().invoke(cli, args)
+
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "metrics.json").read_text())["rounds"]
+    assert [r["export_version"] for r in rows] == ["r0001", "r0002"]
+    assert all(r["export_failures"] == 0 for r in rows) and rows[-1]["accuracy"] > 0.9
+    latest = json.loads((out / "models" / "latest.json").read_text())
+    assert set(latest["files"]) == {"fp32", "int8-dynamic", "int8-static"}
+    tokens, labels = (
+        t.numpy() for t in load_task(f"{tmp_path / 'tokens.py'}:TokenTask").test_set(2, alpha=1, seed=0)
+    )
+    server = ModelServer(warmup_runs=1)
+    for variant, name in latest["files"].items():
+        manifest = json.loads((out / "models" / f"{name}.json").read_text())
+        assert manifest["inputs"][0]["dtype"] == "int64", variant
+        assert server.load(out / "models" / name).ok, variant
+        served = (server.classify(tokens) == labels).mean()  # ORT on the device, int64 ids in
+        assert served > 0.9 and abs(served - manifest["accuracy"]) < 1e-9, variant
