@@ -49,7 +49,12 @@ class FedBuff:
     With ``K = 1`` every arrival is a server step: FedAsync with a polynomial staleness function.
 
     Tensors named in ``averaged`` (BatchNorm statistics, counters: see
-    :func:`fedge.server.optimizers.statistics`) take ``x ← x + Δ̄`` whatever the optimizer is.
+    :func:`fedge.server.optimizers.statistics`) are values, not directions: each client's statistic is
+    ``y_i = x_{v_i} + Δ_i`` (the version it trained on, kept for the last ``2C`` versions, plus its
+    delta), and a flush sets them to ``Σ n_i s(τ_i) y_i / Σ n_i s(τ_i)``, whatever the optimizer is. Adding
+    a stale ``Δ_i`` to the current version instead would move a running variance by a change measured
+    from another value, and can make it negative (a NaN model). Without staleness this is FedAvg's average
+    of the clients' statistics; an update older than the versions kept adds its parameters only.
 
     Parameters
     ----------
@@ -98,6 +103,10 @@ class FedBuff:
         self._sum: dict[str, np.ndarray] = {}
         self._total = 0.0
         self._staleness: list[int] = []
+        # the statistics of past versions (small: BatchNorm's running means and variances), by version
+        self._statistics_at: dict[int, dict[str, np.ndarray]] = {}
+        self._statistics_sum: dict[str, np.ndarray] = {}
+        self._statistics_weight = 0.0
 
     @property
     def buffered(self) -> int:
@@ -133,11 +142,20 @@ class FedBuff:
             raise ValueError(f"num_examples must be a positive number, got {num_examples!r}")
         tau = self.staleness(base_version)
         coefficient = np.float32(num_examples * float(staleness_weight(tau, self.staleness_exponent)))
+        base = self._statistics_of(base_version)
         for name, values in delta.items():
+            shape = self.model[name].shape
+            values = np.asarray(values, dtype=np.float32).reshape(shape)
+            if name in self.averaged:
+                if base is not None:  # the client's own statistic, weighted like its update
+                    self._statistics_sum.setdefault(name, np.zeros_like(values))
+                    self._statistics_sum[name] += coefficient * (base[name] + values)
+                continue
             if name not in self._sum:
                 self._sum[name] = np.zeros_like(self.model[name])
-            shape = self.model[name].shape
-            self._sum[name] += coefficient * np.asarray(values, dtype=np.float32).reshape(shape)
+            self._sum[name] += coefficient * values
+        if base is not None:
+            self._statistics_weight += float(coefficient)
         self._total += num_examples
         self._staleness.append(tau)
         return self.full
@@ -148,15 +166,38 @@ class FedBuff:
         An empty buffer leaves the model as it is; the version advances either way, so versions count
         aggregations. Returns the model (the state's own arrays: copy them to keep them).
         """
+        self._keep_statistics()
         if self._staleness:
             direction = {name: self._sum.get(name, np.zeros_like(a)) for name, a in self.model.items()}
-            for values in direction.values():
-                values /= np.float32(self._total)
+            for name, values in direction.items():
+                if name in self.averaged:  # x + (mean − x) = the mean of the clients' statistics
+                    if self._statistics_weight > 0 and name in self._statistics_sum:
+                        mean = self._statistics_sum[name] / np.float32(self._statistics_weight)
+                        np.subtract(mean, self.model[name], out=values)
+                else:
+                    values /= np.float32(self._total)
             self.optimizer.step(self.model, direction, averaged=self.averaged)
         self.version += 1
         self.last_staleness, self._staleness = self._staleness, []
         self._sum, self._total = {}, 0.0
+        self._statistics_sum, self._statistics_weight = {}, 0.0
         return self.model
+
+    def _statistics_of(self, version: int) -> dict[str, np.ndarray] | None:
+        """The statistics the model had at ``version`` (None once that version is no longer kept)."""
+        if not self.averaged:
+            return None
+        if version == self.version:  # the model changes only in flush
+            return self.model
+        return self._statistics_at.get(version)
+
+    def _keep_statistics(self) -> None:
+        """Remember this version's statistics before a flush changes them; forget the oldest."""
+        if not self.averaged:
+            return
+        self._statistics_at[self.version] = {name: self.model[name].copy() for name in self.averaged}
+        for old in [v for v in self._statistics_at if v < self.version - 2 * self.concurrency]:
+            del self._statistics_at[old]
 
 
 def _check(buffer_size: int, concurrency: int, staleness_exponent: float) -> None:

@@ -55,14 +55,40 @@ def test_the_paper_weight_server_learning_rate_statistics_and_an_empty_flush():
     state.flush()  # nothing buffered: the model stays, the version counts the aggregation
     assert state.version == 1 and state.weight(0) == pytest.approx(2**-0.5)
     state.add({"w": np.full(2, 4.0), "bn.running_mean": np.full(2, 4.0)}, base_version=0)
-    flushed = state.flush()  # τ = 1: 4 · 2^-0.5, times η = 0.5 for parameters, plainly for statistics
+    flushed = state.flush()  # τ = 1: 4 · 2^-0.5, times η = 0.5 for parameters
     np.testing.assert_allclose(flushed["w"], 1 + 0.5 * 4 * 2**-0.5, rtol=1e-6)
-    np.testing.assert_allclose(flushed["bn.running_mean"], 4 * 2**-0.5, rtol=1e-6)
+    # a statistic is the client's value (version 0's zeros + 4), averaged with no step size or shrinkage
+    np.testing.assert_allclose(flushed["bn.running_mean"], 4.0, rtol=1e-6)
     momentum = FedBuff({"w": np.zeros(1)}, buffer_size=1, concurrency=1, optimizer=ServerOptimizer("avgm"))
     momentum.add({"w": np.ones(1)}, 0)
     momentum.flush()  # v = 1, x = 1
     momentum.add({"w": np.ones(1)}, 1)
     np.testing.assert_allclose(momentum.flush()["w"], [1 + 1.9])  # v = 0.9·1 + 1
+
+
+def test_stale_batchnorm_statistics_are_averaged_as_values_and_stay_valid():
+    """A stale client's variance delta was measured from an old value: added to the current one it would
+    drive the running variance negative (a NaN model); averaged as the client's own value, it cannot."""
+    var = "bn.running_var"
+    state = FedBuff({"w": np.zeros(1), var: np.ones(2)}, buffer_size=1, concurrency=2, averaged={var})
+    state.add({"w": np.ones(1), var: np.array([-0.9, -0.5])}, base_version=0)  # its variance: [0.1, 0.5]
+    np.testing.assert_allclose(state.flush()[var], [0.1, 0.5], rtol=1e-6)
+    # a client sent version 0 (variance 1) reports 0.2: its delta is -0.8, from version 0's value
+    state.add({"w": np.ones(1), var: np.array([-0.8, -0.8])}, base_version=0)
+    fresh = {"w": np.ones(1), var: np.array([0.1, 0.1])}  # version 1's client: [0.2, 0.6]
+    state.add(fresh, base_version=1)
+    flushed = state.flush()  # weights 2^-0.5 and 1
+    expected = (2**-0.5 * np.array([0.2, 0.2]) + np.array([0.2, 0.6])) / (2**-0.5 + 1)
+    np.testing.assert_allclose(flushed[var], expected, rtol=1e-6)
+    assert (flushed[var] > 0).all()
+    # an update older than the versions kept (2C) adds its parameters but not its statistics
+    for _ in range(2, 8):
+        state.flush()
+    variance, w = state.model[var].copy(), float(state.model["w"][0])
+    state.add({"w": np.ones(1), var: np.full(2, 5.0)}, base_version=0)
+    after = state.flush()
+    np.testing.assert_array_equal(after[var], variance)
+    assert after["w"][0] == pytest.approx(w + 9**-0.5)  # τ = 8: the parameters take the stale step
 
 
 def test_without_staleness_a_full_buffer_is_fedavgs_weighted_average():
