@@ -29,6 +29,12 @@ __all__ = ["STRATEGIES", "AppConfig"]
 _PRESET_DEFAULTS = {"codec": "", "downlink_codec": "", "server_lr": 1.0, "ef_momentum": 0.0}
 """What the fields a preset sets hold when neither they nor ``compress`` say otherwise."""
 
+ADAM_SERVER_LR = 0.1
+"""``server_lr`` of ``server_optimizer = "adam"`` when none is given, whatever the preset: Adam's steps
+are about ``server_lr`` per coordinate whatever the update's scale, so the presets' rates (1-3, which make
+up for the dilution of sparse averages) diverge. Measured on digits (6 clients, 8 rounds, int8): 0.1 reached
+0.94, 0.03 0.89, 0.01 0.79 and 1.0 stayed at chance; with the strong preset 0.1 reached 0.85, 2.0 chance."""
+
 STRATEGIES = (
     "fedavg",
     "median",
@@ -89,7 +95,7 @@ class AppConfig:
         How clients without the previous model version get the whole model: fp16, fp32 or int8.
     server_optimizer : str (default: "avg")
         ``avg`` (FedAvg), ``avgm`` (server momentum) or ``adam`` (FedAdam); not ``avg`` needs ``codec``.
-    server_lr : float or None (default: None: the preset's, else 1.0)
+    server_lr : float or None (default: None: 0.1 with ``adam``, else the preset's, else 1.0)
         Server learning rate applied to the averaged update; anything but 1.0 needs ``codec``.
     server_momentum : float (default: 0.9)
         Momentum of ``avgm``.
@@ -198,6 +204,8 @@ class AppConfig:
         if self.max_norm_ratio is None:
             screened = self.strategy in UNTRUSTED_CLIENT_STRATEGIES
             object.__setattr__(self, "max_norm_ratio", 5.0 if screened else 0.0)
+        if self.server_lr is None and self.server_optimizer == "adam":
+            object.__setattr__(self, "server_lr", ADAM_SERVER_LR)
         for key, default in _PRESET_DEFAULTS.items():  # unset: the preset's value, else the default
             if getattr(self, key) is None:
                 object.__setattr__(self, key, preset.get(key, default))

@@ -51,7 +51,7 @@ def simulate(
         None, help="Send the model as a compressed delta with this codec spec (needs --codec)."
     ),
     server_lr: float | None = typer.Option(
-        None, help="Server learning rate on the averaged update (needs --codec) [default: 1.0]."
+        None, help="Server learning rate on the averaged update (needs --codec) [default: 1.0; adam 0.1]."
     ),
     server_optimizer: str | None = typer.Option(
         None, help="Server optimizer: avg, avgm or adam (needs --codec) [default: avg]."

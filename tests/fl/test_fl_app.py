@@ -76,6 +76,15 @@ def test_a_preset_sets_its_parts_together_and_explicit_values_win():
         AppConfig(compress="huge")
 
 
+def test_adam_gets_its_own_server_learning_rate_unless_one_is_given():
+    assert AppConfig(codec="int8", server_optimizer="adam").server_lr == 0.1
+    assert AppConfig(compress="strong", server_optimizer="adam").server_lr == 0.1  # not the preset's 2.0
+    assert AppConfig(compress="strong", server_optimizer="avgm").server_lr == 2.0
+    assert AppConfig(codec="int8", server_optimizer="adam", server_lr=0.5).server_lr == 0.5
+    adam = AppConfig(compress="light", server_optimizer="adam")
+    assert AppConfig.from_run_config(adam.to_run_config()) == adam
+
+
 def test_keys_may_be_spelled_with_hyphens_as_flower_does_but_not_both_ways(tmp_path):
     from fedge.simulation.config import SimulationConfig
 
