@@ -27,8 +27,15 @@ def predict(
     threads: int = typer.Option(0, "--threads", min=0, help="Intra-op threads (0: the CPUs available)."),
     no_arena: bool = typer.Option(False, "--no-arena", help="Turn ORT's memory arena off (less memory)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of lines."),
+    raw: bool = typer.Option(
+        False,
+        "--raw",
+        help="Report the model's outputs as they are, not classes (automatic for outputs "
+        "that are not (rows, classes): a regressor's, a dense map).",
+    ),
 ) -> None:
-    """Print the predicted class of every input row, the model version and p50/p95/p99 latency."""
+    """Print the predicted class of every input row (or its outputs), the model version and p50/p95/p99
+    latency."""
     import numpy as np
 
     from fedge.inference import (
@@ -39,6 +46,7 @@ def predict(
         read_inputs,
         write_predictions,
     )
+    from fedge.inference.io import is_class_scores, write_outputs
 
     if not model.is_file():
         raise fail(f"model file {model} does not exist")
@@ -51,34 +59,37 @@ def predict(
     except InputError as err:
         raise fail(str(err)) from None
     server.reset_stats()  # warm-up runs are not requests
-    labels, scores = [], []
+    batches = []
     try:
         for i in range(0, len(rows), batch_size):
-            logits = server.predict(rows[i : i + batch_size])
-            labels.append(logits.argmax(axis=1))
-            scores.append(logits.max(axis=1))
+            batches.append(server.predict(rows[i : i + batch_size]))
     except Exception as err:  # ORT's errors name the bad input (shape, dtype)
         raise fail(f"inference failed: {type(err).__name__}: {err}") from None
-    predictions = np.concatenate(labels) if labels else np.empty(0, dtype=np.int64)
-    best = np.concatenate(scores) if scores else np.empty(0, dtype=np.float32)
+    outputs = np.concatenate(batches) if batches else np.empty((0, 0), np.float32)
+    classify = not raw and is_class_scores(outputs)
+    predictions = outputs.argmax(axis=1) if classify else outputs
     if out is not None:
-        write_predictions(out, predictions, best)
+        if classify:
+            write_predictions(out, predictions, outputs.max(axis=1))
+        else:
+            write_outputs(out, outputs)
     stats = server.stats()
     summary = {
         "version": stats.version,
-        "rows": len(predictions),
+        "rows": len(outputs),
         "p50_ms": stats.p50_ms,
         "p95_ms": stats.p95_ms,
         "p99_ms": stats.p99_ms,
         "threads": server.config.threads(),
     }
     if as_json:
-        typer.echo(json.dumps({**summary, "predictions": predictions.tolist()}))
+        key = "predictions" if classify else "outputs"
+        typer.echo(json.dumps({**summary, key: predictions.tolist(), "output_shape": list(outputs.shape)}))
         return
-    for i, label in enumerate(predictions):
-        typer.echo(f"{i}\t{label}")
+    for i, row in enumerate(predictions):
+        typer.echo(f"{i}\t{row if classify else np.array2string(np.asarray(row), precision=6)}")
     typer.echo(
-        f"model {stats.version}: {len(predictions)} rows in {stats.count} calls, latency per call "
+        f"model {stats.version}: {len(outputs)} rows in {stats.count} calls, latency per call "
         f"p50 {stats.p50_ms:.3f} ms, p95 {stats.p95_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms",
         err=True,
     )

@@ -97,13 +97,18 @@ def infer(
         raise fail(str(err)) from None
     except TimeoutError:
         raise fail(f"{node} did not answer within {timeout:g} s") from None
-    classes = answer.outputs.argmax(axis=1).tolist() if answer.outputs.ndim == 2 else None
+    import numpy as np
+
+    from fedge.inference.io import is_class_scores
+
+    outputs = answer.outputs
+    classes = outputs.argmax(axis=1).tolist() if is_class_scores(outputs) else None
     if as_json:
-        typer.echo(
-            json.dumps({"version": answer.version, "predictions": classes, "shape": answer.outputs.shape})
-        )
+        found = {"predictions": classes} if classes is not None else {"outputs": outputs.tolist()}
+        typer.echo(json.dumps({"version": answer.version, **found, "shape": outputs.shape}))
         return
-    typer.echo(f"model {answer.version}: {classes if classes is not None else answer.outputs.shape}")
+    shown = classes if classes is not None else np.array2string(outputs, precision=6, threshold=64)
+    typer.echo(f"model {answer.version}: {shown}")
 
 
 def _print_status(config, timeout: float, as_json: bool) -> None:

@@ -17,8 +17,10 @@ __all__ = [
     "encode_array",
     "encode_arrays",
     "fit_to_shape",
+    "is_class_scores",
     "is_npz",
     "read_inputs",
+    "write_outputs",
     "write_predictions",
 ]
 
@@ -79,6 +81,30 @@ def write_predictions(path: str | Path, predictions: np.ndarray, scores: np.ndar
     lines = ["row,prediction" + (",score" if scores is not None else "")]
     for i, label in enumerate(predictions):
         lines.append(f"{i},{label}" + (f",{scores[i]:.6g}" if scores is not None else ""))
+    write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
+    return path
+
+
+def is_class_scores(outputs: np.ndarray) -> bool:
+    """Whether a model's output reads as class scores: one row per input with two or more columns.
+
+    A regressor's ``(batch,)`` or ``(batch, 1)`` and a dense output such as a segmentation map are not, and
+    are reported as they are: an argmax over one column would call every row class 0.
+    """
+    return outputs.ndim == 2 and outputs.shape[1] > 1
+
+
+def write_outputs(path: str | Path, outputs: np.ndarray) -> Path:
+    """Write raw outputs as ``.npy`` (the array) or ``.csv`` (``row,value_0,value_1,...``; rows flattened)."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        buffer = io.BytesIO()
+        np.save(buffer, outputs)
+        write_bytes_atomic(path, buffer.getvalue())
+        return path
+    rows = outputs.reshape(len(outputs), -1)
+    lines = ["row," + ",".join(f"value_{j}" for j in range(rows.shape[1]))]
+    lines += [f"{i}," + ",".join(f"{v:.6g}" for v in row) for i, row in enumerate(rows)]
     write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
     return path
 

@@ -60,3 +60,38 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
     for args, message in cases:
         result = runner.invoke(app, ["predict", *args])
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_regressor_gets_its_values_not_class_zero(tmp_path):
+    """One output column is a value: an argmax would call every row class 0."""
+    import torch
+
+    from fedge.server.export import export_onnx
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1).eval()
+    rows = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+    export_onnx(model, rows[:2], tmp_path / "reg.onnx")
+    np.save(tmp_path / "x.npy", rows)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(rows)).numpy()
+    args = ["predict", "--model", str(tmp_path / "reg.onnx"), "--input", str(tmp_path / "x.npy")]
+    result = runner.invoke(app, [*args, "--json", "--out", str(tmp_path / "y.csv")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "predictions" not in report and report["output_shape"] == [5, 1]
+    np.testing.assert_allclose(report["outputs"], expected, atol=1e-5)
+    lines = (tmp_path / "y.csv").read_text().splitlines()
+    assert lines[0] == "row,value_0" and abs(float(lines[3].split(",")[1]) - expected[2, 0]) < 1e-5
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "y.npy")])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), expected, atol=1e-5)
+
+
+def test_raw_gives_a_classifiers_scores(variants, digits_test, tmp_path):
+    np.save(tmp_path / "x.npy", digits_test[0][:3])
+    args = ["predict", "--model", str(variants["fp32"][0]), "--input", str(tmp_path / "x.npy"), "--raw"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["output_shape"] == [3, 10] and np.asarray(report["outputs"]).shape == (3, 10)

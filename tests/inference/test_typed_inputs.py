@@ -270,3 +270,48 @@ def test_a_token_task_trains_federated_and_every_round_exports_an_int64_model(tm
         assert server.load(out / "models" / name).ok, variant
         served = (server.classify(tokens) == labels).mean()  # ORT on the device, int64 ids in
         assert served > 0.9 and abs(served - manifest["accuracy"]) < 1e-9, variant
+
+
+def test_a_device_answers_token_id_requests_over_mqtt_and_fedge_infer_prints_them(
+    mqtt, token_model, token_variants, tokens, tmp_path
+):
+    """int64 ids cross a real broker in their own type; ``fedge infer`` reads them from CSV."""
+    import uuid
+
+    from waiting import wait_until
+
+    from fedge.cli import app as cli
+    from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
+    from fedge.inference.distribution import publish_model
+    from fedge.inference.remote import InferenceClient, InferenceError
+    from fedge.transport.artifact_channel import ArtifactPublisher
+    from fedge.transport.connection import MqttConnection
+    from fedge.transport.topics import Topics
+
+    config = mqtt()
+    path, manifest = token_variants["fp32"]
+    coordinator = MqttConnection(config, f"coord-{uuid.uuid4().hex[:6]}")
+    coordinator.start()
+    try:
+        publish_model(
+            ArtifactPublisher(coordinator, Topics(config.fleet)),
+            "t1",
+            {"fp32": (path.read_bytes(), manifest)},
+        )
+        agent_config = InferenceAgentConfig(node_id="dev-t", mqtt=mqtt(), model_dir=str(tmp_path / "dev"))
+        with InferenceAgent(agent_config) as agent, InferenceClient(mqtt()) as client:
+            wait_until(lambda: agent.server.serving_version == "t1")
+            answer = client.predict("dev-t", tokens[:4])
+            np.testing.assert_allclose(answer.outputs, _torch(token_model, tokens[:4]), atol=1e-4)
+            with pytest.raises(InferenceError, match="whole numbers"):
+                client.predict("dev-t", tokens[:2] + 0.5)
+            np.savetxt(tmp_path / "ids.csv", tokens[:3], delimiter=",", fmt="%d")
+            args = ["infer", "--broker", config.broker_url, "--fleet", config.fleet, "--node", "dev-t"]
+            result = CliRunner().invoke(cli, [*args, "--input", str(tmp_path / "ids.csv"), "--json"])
+            assert result.exit_code == 0, result.output
+            report = json.loads(result.stdout.strip().splitlines()[-1])
+            assert report["version"] == "t1"
+            assert report["predictions"] == _torch(token_model, tokens[:3]).argmax(axis=1).tolist()
+            assert agent.failed_requests == {"bad-request": 1}
+    finally:
+        coordinator.close()
