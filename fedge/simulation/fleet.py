@@ -30,14 +30,17 @@ _MEAN_ON_S, _MEAN_OFF_S = 1800.0, 4200.0
 
 
 def training_flops_per_example(model: torch.nn.Module, example: torch.Tensor) -> float:
-    """FLOPs of one training step on one example (forward, loss and backward), as torch counts them."""
+    """FLOPs of one training step on one example (forward, loss and backward), as torch counts them.
+
+    Counted on a batch of two copies and halved: a BatchNorm1d in training mode refuses a batch of one.
+    """
     model = model.train()
     counter = FlopCounterMode(display=False)
     with counter:
-        output = model(example.unsqueeze(0))
+        output = model(torch.stack([example, example]))
         output.float().sum().backward()
     model.zero_grad(set_to_none=True)
-    return float(counter.get_total_flops())
+    return float(counter.get_total_flops()) / 2
 
 
 def availability_trace(spec: str, clients: int, seed: int) -> AvailabilityTrace | None:

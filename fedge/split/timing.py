@@ -63,13 +63,14 @@ def stage_flops(stage: nn.Module, example: torch.Tensor) -> StageFlops:
     from (a loss or the gradient returned at a cut).
     """
     stage.train()
-    inputs = example.unsqueeze(0).detach().requires_grad_(False)
+    # two copies, halved: a BatchNorm1d in training mode refuses a batch of one
+    inputs = torch.stack([example, example]).detach().requires_grad_(False)
     with FlopCounterMode(display=False) as forward:
         output = stage(inputs)
     with FlopCounterMode(display=False) as backward:
         output.float().sum().backward()
     stage.zero_grad(set_to_none=True)
-    return StageFlops(float(forward.get_total_flops()), float(backward.get_total_flops()))
+    return StageFlops(float(forward.get_total_flops()) / 2, float(backward.get_total_flops()) / 2)
 
 
 def split_stage_flops(

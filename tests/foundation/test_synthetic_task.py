@@ -92,3 +92,17 @@ def test_a_few_rounds_of_fedge_simulate_learn_above_chance_and_export(tmp_path):
     # Measured (seed 0): 0.09 before training, 0.17, 0.25, 0.29 after rounds 1-3; chance is 0.10.
     accuracies = [r["accuracy"] for r in metrics["rounds"]]
     assert accuracies[-1] > 0.2 and accuracies[-1] > metrics["initial_accuracy"] + 0.15
+
+
+def test_flops_of_a_model_with_batchnorm1d_are_counted_not_refused():
+    """BatchNorm1d in training mode refuses a batch of one; the count is per example all the same."""
+    from fedge.split.timing import stage_flops
+
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    normed = torch.nn.Sequential(plain[0], torch.nn.BatchNorm1d(16), *plain[1:])
+    example = torch.randn(8)
+    linear = training_flops_per_example(plain, example)
+    assert linear == 3 * 2 * (8 * 16 + 16 * 3) - 2 * 8 * 16  # forward, weight and input gradients
+    assert training_flops_per_example(normed, example) >= linear
+    flops = stage_flops(normed, example)
+    assert flops.forward == 2 * (8 * 16 + 16 * 3)
