@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg, Strategy
 
 from fedge.app.config import AppConfig
-from fedge.app.task import prepare_task
+from fedge.app.task import checked_evaluation, prepare_task
 from fedge.app.weights import load_record, state_record
 from fedge.config import ConfigError, from_table
 from fedge.reporting.history import RoundListener, RunHistory
@@ -189,7 +189,7 @@ def federated_run(
 
     def evaluate(arrays: ArrayRecord) -> Mapping[str, float]:
         load_record(model, arrays)
-        return task.task.evaluate(model, test_set)
+        return checked_evaluation(task.task.evaluate(model, test_set), config.task)
 
     every = config.resolved_export_every(export_every)
     exporter = None

@@ -29,6 +29,7 @@ import torch.optim
 from torch import nn
 
 from fedge.app.digits import digits_split, dirichlet_partitions
+from fedge.config import ConfigError
 from fedge.importing import import_attribute
 
 if TYPE_CHECKING:
@@ -38,9 +39,11 @@ __all__ = [
     "DigitsTask",
     "PreparedTask",
     "Task",
+    "TaskContractError",
     "TaskLoadError",
     "TensorData",
     "TrainConfig",
+    "checked_evaluation",
     "load_task",
     "prepare_task",
     "warm_up_torch",
@@ -77,6 +80,34 @@ class TrainConfig:
 
 class TaskLoadError(ValueError):
     """A ``module:Class`` task path that does not import or does not name a :class:`Task`."""
+
+
+class TaskContractError(ConfigError):
+    """A task method returned what fedge cannot use (an ``evaluate`` without ``accuracy`` and ``loss``)."""
+
+
+def checked_evaluation(result: Any, task: str) -> dict[str, float]:
+    """``result`` of :meth:`Task.evaluate` on the server, with ``accuracy`` and ``loss`` as floats (a NaN
+    loss is a diverged model, not a broken contract).
+
+    Raises
+    ------
+    TaskContractError
+        One line naming the task and what it returned instead (the run stops before its first round).
+    """
+    if not isinstance(result, Mapping):
+        raise TaskContractError(f"task {task}: evaluate() returned {type(result).__name__}, not a dict")
+    values = dict(result)
+    for key in ("accuracy", "loss"):
+        value = values.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            found = ", ".join(sorted(map(str, values))) or "nothing"
+            raise TaskContractError(
+                f"task {task}: evaluate() must return numbers 'accuracy' and 'loss' (a regression task: a "
+                f"score such as R² as accuracy); it returned {found}"
+            )
+        values[key] = float(value)
+    return values
 
 
 class Task(ABC):

@@ -154,6 +154,8 @@ def simulate(
     except RunFailed as err:
         typer.echo(f"error: {err} (-v shows the whole client traceback)", err=True)
         raise typer.Exit(1) from None
+    except ConfigError as err:  # e.g. a task whose evaluate() returns no accuracy
+        raise fail(str(err)) from None
     except KeyboardInterrupt:
         kept = f"; its metrics and plots are in {out}" if completed else ""
         console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")

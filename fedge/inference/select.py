@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fedge.inference.feeds import as_input, onnx_dtype
+from fedge.inference.io import is_class_scores
 from fedge.inference.session import SessionConfig, make_session
 
 __all__ = ["Selection", "VariantMeasurement", "measure_latency", "measure_variants", "select_variant"]
@@ -148,12 +149,19 @@ def select_variant(
     return Selection(best.variant, batch, best_p50, reason)
 
 
-def _accuracy(session, features: np.ndarray, labels: np.ndarray, batch: int = 256) -> float:
+def _accuracy(session, features: np.ndarray, labels: np.ndarray, batch: int = 256) -> float | None:
+    """Classification accuracy on ``(features, labels)``; None for a model that is not a classifier (its
+    first output is not class scores, or the labels are not class numbers): a regressor's argmax would
+    score 0 whatever its quality."""
     name = session.get_inputs()[0].name
     dtype = _input_dtype(session, name)
+    if np.asarray(labels).dtype.kind not in "iu":
+        return None
     correct = 0
     for i in range(0, len(features), batch):
         logits = session.run(None, {name: as_input(features[i : i + batch], dtype, name)})[0]
+        if not is_class_scores(logits):
+            return None
         correct += int((logits.argmax(axis=1) == labels[i : i + batch]).sum())
     return correct / max(1, len(labels))
 

@@ -166,3 +166,24 @@ def test_the_norm_screen_is_on_by_default_only_for_untrusted_client_strategies(s
     config = AppConfig(**settings)
     assert AppConfig.from_run_config(config.to_run_config()) == config
     assert build_strategy(config).channel.config.screen.max_norm_ratio == ratio
+
+
+LOSS_ONLY_TASK = """
+from fedge.app.task import DigitsTask
+
+
+class LossOnly(DigitsTask):
+    def evaluate(self, model, data):
+        return {"loss": super().evaluate(model, data)["loss"]}
+"""
+
+
+def test_a_task_whose_evaluate_returns_no_accuracy_stops_in_one_line(tmp_path):
+    (tmp_path / "loss_only.py").write_text(LOSS_ONLY_TASK)
+    task = f"{tmp_path / 'loss_only.py'}:LossOnly"
+    args = ["simulate", "--task", task, "--clients", "2", "--rounds", "1", "--out", str(tmp_path / "run")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert "evaluate() must return numbers 'accuracy' and 'loss'" in result.output
+    assert "it returned loss" in result.output

@@ -315,3 +315,21 @@ def test_a_device_answers_token_id_requests_over_mqtt_and_fedge_infer_prints_the
             assert agent.failed_requests == {"bad-request": 1}
     finally:
         coordinator.close()
+
+
+def test_a_regressor_gets_no_classification_accuracy_in_its_manifests(tmp_path):
+    """An argmax over one output column scores 0 whatever the model: no accuracy is better than that."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1)).eval()
+    x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
+    y = x.sum(axis=1)  # float targets
+    results = export_variants(model, x[:2], tmp_path, labelled=(x, y), variants=("fp32", "int8-dynamic"))
+    assert [manifest.accuracy for _, manifest in results.values()] == [None, None]
+    classes = export_variants(
+        nn.Linear(6, 3).eval(),
+        x[:2],
+        tmp_path / "c",
+        labelled=(x, (y > 0).astype(np.int64)),
+        variants=("fp32",),
+    )
+    assert classes["fp32"][1].accuracy is not None  # a classifier's is still measured
