@@ -346,12 +346,15 @@ class InferenceAgent:
         if result.ok and self.deltas is not None and choice.variant != "fp32":  # the next delta's base
             self.deltas.keep_base(*candidates["fp32"])
 
-    def _sample(self, manifest: Manifest) -> np.ndarray:
-        """Inputs to measure variants on: the canary's, or zeros of the model's input shape."""
-        if self.canary is not None:
+    def _sample(self, manifest: Manifest) -> np.ndarray | dict[str, np.ndarray]:
+        """Inputs to measure variants on: the canary's, or zeros of each input's shape and type."""
+        if self.canary is not None and len(manifest.inputs) == 1:
             return self.canary.inputs
-        spec = manifest.inputs[0]
-        return np.zeros([d if isinstance(d, int) else 1 for d in spec.shape], manifest_dtype(spec.dtype))
+        zeros = {}
+        for spec in manifest.inputs:
+            shape = [d if isinstance(d, int) else 1 for d in spec.shape]
+            zeros[spec.name] = np.zeros(shape, manifest_dtype(spec.dtype))
+        return zeros if len(zeros) > 1 else next(iter(zeros.values()))
 
     def _log_swap(
         self, version: str, variant: str, ok: bool, reason: str, message: str, **facts: Any

@@ -9,13 +9,25 @@ else is an :class:`~fedge.inference.io.InputError` naming the input, never a sil
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from fedge.inference.io import InputError
 
-__all__ = ["as_input", "manifest_dtype", "onnx_dtype", "zeros_input"]
+__all__ = [
+    "Feeds",
+    "as_input",
+    "feed_rows",
+    "manifest_dtype",
+    "onnx_dtype",
+    "resize_rows",
+    "session_feed",
+    "zeros_input",
+]
+
+Feeds = np.ndarray | Mapping[str, np.ndarray]
+"""A model's inputs: one array (its first input) or arrays by input name (a model with several)."""
 
 _ONNX_TYPES = {
     "tensor(float)": np.float32,
@@ -77,3 +89,31 @@ def as_input(array: np.ndarray, dtype: np.dtype, name: str = "input") -> np.ndar
 def zeros_input(shape: Sequence[int | str | None], onnx_type: str, batch: int = 1) -> np.ndarray:
     """Zeros of an input's shape (``batch`` for every dynamic axis) and type: a warm-up or probe feed."""
     return np.zeros([d if isinstance(d, int) else batch for d in shape], onnx_dtype(onnx_type))
+
+
+def session_feed(session, inputs: Feeds) -> dict[str, np.ndarray]:
+    """``inputs`` as an ONNX Runtime feed: one array goes to the first input, a mapping by name; each in
+    the type its input declares. Names the graph does not declare are left out (an exporter drops an input
+    the model never reads)."""
+    declared = {i.name: i.type for i in session.get_inputs()}
+    if not isinstance(inputs, Mapping):
+        inputs = {next(iter(declared)): inputs}
+    return {
+        name: as_input(array, onnx_dtype(declared[name]), name)
+        for name, array in inputs.items()
+        if name in declared
+    }
+
+
+def feed_rows(inputs: Feeds, start: int, stop: int) -> Feeds:
+    """Rows ``start:stop`` of one array or of every named one."""
+    if isinstance(inputs, Mapping):
+        return {name: array[start:stop] for name, array in inputs.items()}
+    return inputs[start:stop]
+
+
+def resize_rows(inputs: Feeds, batch: int) -> Feeds:
+    """One array, or every named one, cut or repeated to ``batch`` rows."""
+    if isinstance(inputs, Mapping):
+        return {name: np.resize(a, (batch, *np.shape(a)[1:])) for name, a in inputs.items()}
+    return np.resize(inputs, (batch, *np.shape(inputs)[1:]))

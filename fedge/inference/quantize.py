@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -28,45 +28,49 @@ def _reader_base() -> type:
 
 
 class ArrayCalibrationReader(_reader_base()):  # type: ignore[misc]
-    """Feed calibration batches from one array to ``quantize_static``.
+    """Feed calibration batches from one array, or from arrays by input name, to ``quantize_static``.
 
     Parameters
     ----------
-    input_name : str
-        The graph input to feed.
-    data : ndarray
+    input_name : str or None
+        The graph input one array feeds (unused when ``data`` names its inputs).
+    data : ndarray or mapping of str to ndarray
         Calibration inputs, batch first (a few hundred rows of held-out data are plenty).
     batch_size : int
         Rows per calibration batch.
     """
 
-    def __init__(self, input_name: str, data: np.ndarray, batch_size: int = 32) -> None:
-        self.input_name = input_name
-        data = np.asarray(data)  # floats are fed as float32; token ids and masks keep their type
-        self.data = np.ascontiguousarray(data, dtype=None if data.dtype.kind in "biu" else np.float32)
+    def __init__(
+        self, input_name: str | None, data: np.ndarray | Mapping[str, np.ndarray], batch_size: int = 32
+    ) -> None:
+        named = data if isinstance(data, Mapping) else {input_name: data}
+        # floats are fed as float32; token ids and masks keep their type
+        self.data = {name: _calibration_array(values) for name, values in named.items()}
+        self.rows = len(next(iter(self.data.values())))
         self.batch_size = batch_size
-        self._batches: Iterator[np.ndarray] = iter(())
+        self._batches: Iterator[dict[str, np.ndarray]] = iter(())
         self.rewind()
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        batch = next(self._batches, None)
-        return None if batch is None else {self.input_name: batch}
+        return next(self._batches, None)
 
     def rewind(self) -> None:
         self._batches = (
-            self.data[i : i + self.batch_size] for i in range(0, len(self.data), self.batch_size)
+            {name: values[i : i + self.batch_size] for name, values in self.data.items()}
+            for i in range(0, self.rows, self.batch_size)
         )
 
 
 def quantize_static_int8(
     model_path: str | Path,
     out_path: str | Path,
-    calibration: np.ndarray,
+    calibration: np.ndarray | Mapping[str, np.ndarray],
     *,
     input_name: str | None = None,
     batch_size: int = 32,
 ) -> Path:
-    """Write a static QDQ per-channel int8 variant of ``model_path`` calibrated on ``calibration``.
+    """Write a static QDQ per-channel int8 variant of ``model_path`` calibrated on ``calibration`` (one
+    array for the first input, or arrays by input name).
 
     Shape inference and graph clean-up (``quant_pre_process``) run first, as ORT's guide recommends: without
     them some activations get no quantization parameters.
@@ -75,7 +79,8 @@ def quantize_static_int8(
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     model_path, out_path = Path(model_path), Path(out_path)
-    input_name = input_name or _first_input(model_path)
+    if not isinstance(calibration, Mapping):
+        input_name = input_name or _first_input(model_path)
     with tempfile.TemporaryDirectory(prefix="fedge-quant-") as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         try:
@@ -114,6 +119,11 @@ def matmul_fraction(model_path: str | Path) -> float:
     matmul = sum(kind in ("MatMul", "Gemm") for kind in kinds)
     conv = sum(kind == "Conv" for kind in kinds)
     return matmul / max(1, matmul + conv)
+
+
+def _calibration_array(values: np.ndarray) -> np.ndarray:
+    values = np.asarray(values)
+    return np.ascontiguousarray(values, dtype=None if values.dtype.kind in "biu" else np.float32)
 
 
 def _first_input(model_path: Path) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedge.inference.feeds import as_input, onnx_dtype
+from fedge.inference.feeds import Feeds, as_input, feed_rows, onnx_dtype, resize_rows, session_feed
 from fedge.inference.io import is_class_scores
 from fedge.inference.session import SessionConfig, make_session
 
@@ -55,10 +55,14 @@ class Selection:
 
 
 def measure_latency(
-    session, input_name: str, batch: np.ndarray, *, runs: int = 50, warmup: int = 5
+    session, input_name: str, batch: Feeds, *, runs: int = 50, warmup: int = 5
 ) -> tuple[float, float]:
-    """``(p50, p95)`` milliseconds of ``session.run`` on ``batch`` (fed in the input's declared type)."""
-    feed = {input_name: as_input(batch, _input_dtype(session, input_name), input_name)}
+    """``(p50, p95)`` milliseconds of ``session.run`` on ``batch`` (fed in the input's declared type): one
+    array for ``input_name``, or arrays by input name."""
+    if isinstance(batch, Mapping):
+        feed = session_feed(session, batch)
+    else:
+        feed = {input_name: as_input(batch, _input_dtype(session, input_name), input_name)}
     for _ in range(warmup):
         session.run(None, feed)
     times = np.empty(runs)
@@ -72,10 +76,10 @@ def measure_latency(
 
 def measure_variants(
     paths: Mapping[str, str | Path | bytes],
-    sample: np.ndarray,
+    sample: Feeds,
     *,
     batches: tuple[int, ...] = (1, 32),
-    labelled: tuple[np.ndarray, np.ndarray] | None = None,
+    labelled: tuple[Feeds, np.ndarray] | None = None,
     accuracies: Mapping[str, float] | None = None,
     config: SessionConfig | None = None,
     runs: int = 50,
@@ -85,7 +89,8 @@ def measure_variants(
 
     ``paths`` maps each variant to its model file, or to the model's bytes.
 
-    ``sample`` provides the inputs: its first rows, repeated as needed, form each batch. Variants are
+    ``sample`` provides the inputs (one array, or arrays by input name for a model of several): its first
+    rows, repeated as needed, form each batch. Variants are
     measured in turns, round-robin, so a burst of load on the device does not favour one of them.
     """
     sessions = {
@@ -98,7 +103,7 @@ def measure_variants(
     rounds = 3
     for _ in range(rounds):
         for batch in batches:
-            rows = np.resize(sample, (batch, *sample.shape[1:]))
+            rows = resize_rows(sample, batch)
             for name, session in sessions.items():
                 name_in = session.get_inputs()[0].name
                 measured = measure_latency(session, name_in, rows, runs=max(1, runs // rounds), warmup=warmup)
@@ -149,17 +154,15 @@ def select_variant(
     return Selection(best.variant, batch, best_p50, reason)
 
 
-def _accuracy(session, features: np.ndarray, labels: np.ndarray, batch: int = 256) -> float | None:
+def _accuracy(session, features: Feeds, labels: np.ndarray, batch: int = 256) -> float | None:
     """Classification accuracy on ``(features, labels)``; None for a model that is not a classifier (its
     first output is not class scores, or the labels are not class numbers): a regressor's argmax would
     score 0 whatever its quality."""
-    name = session.get_inputs()[0].name
-    dtype = _input_dtype(session, name)
     if np.asarray(labels).dtype.kind not in "iu":
         return None
     correct = 0
-    for i in range(0, len(features), batch):
-        logits = session.run(None, {name: as_input(features[i : i + batch], dtype, name)})[0]
+    for i in range(0, len(labels), batch):
+        logits = session.run(None, session_feed(session, feed_rows(features, i, i + batch)))[0]
         if not is_class_scores(logits):
             return None
         correct += int((logits.argmax(axis=1) == labels[i : i + batch]).sum())

@@ -255,6 +255,8 @@ class ModelServer:
         try:
             if canary is None:  # zeros for every input (a pipeline stage may have several)
                 feed = {i.name: zeros_input(i.shape, i.type) for i in session.get_inputs()}
+            elif len(input_types) > 1:
+                raise InputError(f"the canary set feeds one input; this model takes {', '.join(input_types)}")
             else:
                 feed = {input_name: as_input(canary.inputs, input_types[input_name], "the canary's inputs")}
         except InputError as err:  # the canary does not fit this model's input type

@@ -28,9 +28,18 @@ from torch import nn
 
 from fedge.atomic import write_bytes_atomic
 from fedge.config import check_types
+from fedge.inference.feeds import feed_rows, resize_rows, session_feed
 from fedge.inference.manifest import Manifest, TensorSpec, sha256_bytes, write_manifest
 from fedge.inference.select import _accuracy
 from fedge.inference.session import make_session
+from fedge.server.model_inputs import (
+    InputStructureError,
+    ModelInputs,
+    call_model,
+    in_signature_order,
+    is_keyword,
+    named_inputs,
+)
 
 __all__ = ["ExportConfig", "ExportError", "export_onnx", "export_variants", "verify_onnx"]
 
@@ -83,13 +92,13 @@ class ExportConfig:
 
 def export_onnx(
     model: nn.Module,
-    example_input: torch.Tensor | np.ndarray,
+    example_input: ModelInputs,
     path: str | Path,
     *,
     version: str = "",
     round: int = 0,
-    held_out: np.ndarray | None = None,
-    labelled: tuple[np.ndarray, np.ndarray] | None = None,
+    held_out: ModelInputs | None = None,
+    labelled: tuple[ModelInputs, np.ndarray] | None = None,
     config: ExportConfig | None = None,
 ) -> Manifest:
     """Export ``model`` to one self-contained ONNX file at ``path``, verify it, write its manifest.
@@ -98,13 +107,14 @@ def export_onnx(
     ----------
     model : nn.Module
         The global model (put in eval mode for the export, restored after).
-    example_input : tensor or ndarray
-        One input batch of the right shape (the task's test features serve: ``task.test_set(...)[0][:2]``).
-        Floating inputs are exported as float32; integer and boolean inputs (token ids, masks) keep
-        their type.
+    example_input : tensor or ndarray, or a tuple or dict of them
+        One input batch of the right shape (the task's test features serve: ``task.test_set(...)[0][:2]``);
+        a model of several inputs takes a tuple (inputs ``input``, ``input_1``, ...) or a dict (passed by
+        keyword, inputs named by its keys): :mod:`fedge.server.model_inputs`. Floating inputs are exported
+        as float32; integer and boolean inputs (token ids, masks) keep their type.
     path : path
         Where the ``.onnx`` file goes; the manifest is ``path + ".json"``.
-    held_out : ndarray, optional
+    held_out : same structure as ``example_input``, optional
         Inputs for the verification (default: ``example_input`` repeated).
     labelled : (features, labels), optional
         Held-out labelled data; the manifest's accuracy is measured on it with ORT.
@@ -116,19 +126,23 @@ def export_onnx(
     """
     config = config or ExportConfig()
     path = Path(path)
-    example = torch.as_tensor(_model_input(example_input))
-    if example.shape[0] < 2:  # an example axis of size 1 may be exported as fixed (DESIGN.md 5)
-        example = example.repeat(2, *([1] * (example.dim() - 1)))
+    keyword = is_keyword(example_input)
+    example = _named(example_input, config)
+    if keyword:  # the TorchScript exporter passes keyword inputs positionally, in the dict's order
+        example = in_signature_order(model, example)
+    if len(next(iter(example.values()))) < 2:  # an axis of size 1 may be exported as fixed (DESIGN.md 5)
+        example = {name: np.concatenate([array, array]) for name, array in example.items()}
     exporter = config.resolved_exporter()
     was_training = model.training
     model.eval()
     try:
-        data = _export_bytes(model, example, config, exporter)
-        max_diff = verify_onnx(model, data, held_out if held_out is not None else example.numpy(), config)
+        data = _export_bytes(model, example, keyword, config, exporter)
+        checked = _named(held_out, config) if held_out is not None else example
+        max_diff = verify_onnx(model, data, checked, config, keyword=keyword)
     finally:
         model.train(was_training)
     session = make_session(data)
-    accuracy = _accuracy(session, *labelled) if labelled is not None else None
+    accuracy = _accuracy(session, *_labelled(labelled, config)) if labelled is not None else None
     manifest = Manifest(
         version=version or f"r{round}",
         round=round,
@@ -147,15 +161,25 @@ def export_onnx(
 
 
 def verify_onnx(
-    model: nn.Module, data: bytes, inputs: np.ndarray, config: ExportConfig | None = None
+    model: nn.Module,
+    data: bytes,
+    inputs: ModelInputs,
+    config: ExportConfig | None = None,
+    *,
+    keyword: bool | None = None,
 ) -> float:
     """Max abs difference between ``model`` and the ONNX ``data`` at every verify batch size.
+
+    ``inputs`` has the structure the model was exported from (one array, a tuple, a dict: see
+    :mod:`fedge.server.model_inputs`); ``keyword`` says whether the model takes them by keyword (default:
+    when ``inputs`` is a dict).
 
     Raises :class:`ExportError` (stage ``verify``) above the tolerance, on a NaN, or when ORT cannot load or
     run the file (e.g. a batch axis exported as fixed).
     """
     config = config or ExportConfig()
-    inputs = _model_input(inputs)
+    keyword = is_keyword(inputs) if keyword is None else keyword
+    inputs = _named(inputs, config)
     try:
         session = make_session(data)
     except Exception as err:
@@ -167,14 +191,15 @@ def verify_onnx(
         raise ExportError(
             "verify", "the exported graph has no inputs: its output does not depend on the input"
         )
-    name = session.get_inputs()[0].name
     worst = 0.0
     for batch in config.verify_batches:
-        rows = np.resize(inputs, (batch, *inputs.shape[1:]))
-        with torch.no_grad():
-            expected = [t.numpy() for t in _flat_outputs(model(torch.from_numpy(rows)))]
+        rows = resize_rows(inputs, batch)
         try:
-            got = session.run(None, {name: rows})
+            expected = call_model(model, rows, keyword)
+        except Exception as err:
+            raise ExportError("verify", f"batch {batch}: torch: {type(err).__name__}: {err}") from err
+        try:
+            got = session.run(None, session_feed(session, rows))
         except Exception as err:
             raise ExportError("verify", f"batch {batch}: {type(err).__name__}: {err}") from err
         if len(got) != len(expected):
@@ -184,23 +209,18 @@ def verify_onnx(
     return worst
 
 
-def _model_input(values: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Inputs as exported and verified: floating values as float32; integers and booleans as they are."""
-    array = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
-    if array.dtype.kind not in "biuf":
-        raise ExportError("export", f"the model's input is {array.dtype}, not numbers or booleans")
-    return array.astype(np.float32) if array.dtype.kind == "f" else array
+def _labelled(
+    labelled: tuple[ModelInputs, np.ndarray], config: ExportConfig
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    features, labels = labelled
+    return _named(features, config), np.asarray(labels)
 
 
-def _flat_outputs(result: object) -> list[torch.Tensor]:
-    """A forward's result as the exporters flatten it: a tensor, or tuples, lists and dicts of tensors."""
-    if isinstance(result, torch.Tensor):
-        return [result]
-    if isinstance(result, dict):
-        result = list(result.values())
-    if isinstance(result, (tuple, list)):
-        return [tensor for item in result for tensor in _flat_outputs(item)]
-    raise ExportError("export", f"the model returns {type(result).__name__}, not tensors")
+def _named(values: ModelInputs, config: ExportConfig) -> dict[str, np.ndarray]:
+    try:
+        return named_inputs(values, config.input_name)
+    except InputStructureError as err:
+        raise ExportError("export", str(err)) from None
 
 
 def _output_diff(batch: int, index: int, got: np.ndarray, expected: np.ndarray, tolerance: float) -> float:
@@ -216,16 +236,16 @@ def _output_diff(batch: int, index: int, got: np.ndarray, expected: np.ndarray, 
 
 def export_variants(
     model: nn.Module,
-    example_input: torch.Tensor | np.ndarray,
+    example_input: ModelInputs,
     out_dir: str | Path,
     *,
-    calibration: np.ndarray | None = None,
-    labelled: tuple[np.ndarray, np.ndarray] | None = None,
+    calibration: ModelInputs | None = None,
+    labelled: tuple[ModelInputs, np.ndarray] | None = None,
     variants: Sequence[str] = VARIANTS,
     version: str = "",
     round: int = 0,
     stem: str = "model",
-    held_out: np.ndarray | None = None,
+    held_out: ModelInputs | None = None,
     names: Mapping[str, str] | None = None,
     config: ExportConfig | None = None,
 ) -> dict[str, tuple[Path, Manifest]]:
@@ -235,7 +255,8 @@ def export_variants(
     ``labelled`` the held-out set every variant's accuracy is measured on, so a device can apply the accuracy
     bound without labels of its own. The fp32 file is verified on ``held_out`` (default: the first 8 rows of
     ``calibration``, else ``example_input``). Files are ``{stem}-{variant}.onnx`` in ``out_dir``, unless
-    ``names`` maps a variant to its own file name.
+    ``names`` maps a variant to its own file name. ``calibration``, ``held_out`` and the features of
+    ``labelled`` have the structure of ``example_input`` (one array, a tuple, a dict).
     """
     from fedge.inference.quantize import quantize_dynamic_int8, quantize_static_int8
 
@@ -245,8 +266,14 @@ def export_variants(
     if "int8-static" in variants and calibration is None:
         raise ValueError("the int8-static variant needs calibration inputs")
     names = {variant: f"{stem}-{variant}.onnx" for variant in VARIANTS} | dict(names or {})
-    if held_out is None and calibration is not None:
-        held_out = calibration[:8]
+    config = config or ExportConfig()
+    if calibration is not None:
+        # named like the graph's inputs, and passed by keyword when the example is a dict
+        keyword = is_keyword(example_input)
+        calibration = _named(calibration, config)
+        if held_out is None:
+            held_out = feed_rows(calibration, 0, 8)
+            held_out = held_out if keyword else tuple(held_out.values())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fp32_path = out_dir / names["fp32"]
@@ -267,13 +294,13 @@ def export_variants(
         path = out_dir / names[variant]
         try:
             if variant == "int8-static":
-                quantize_static_int8(fp32_path, path, calibration, input_name=fp32.inputs[0].name)
+                quantize_static_int8(fp32_path, path, calibration)
             else:
                 quantize_dynamic_int8(fp32_path, path)
         except Exception as err:
             raise ExportError("quantize", f"{variant}: {type(err).__name__}: {err}") from err
         data = path.read_bytes()
-        accuracy = _accuracy(make_session(data), *labelled) if labelled is not None else None
+        accuracy = _accuracy(make_session(data), *_labelled(labelled, config)) if labelled else None
         manifest = fp32.with_(
             sha256=sha256_bytes(data),
             variant=variant,
@@ -286,22 +313,28 @@ def export_variants(
     return results
 
 
-def _export_bytes(model: nn.Module, example: torch.Tensor, config: ExportConfig, exporter: str) -> bytes:
+def _export_bytes(
+    model: nn.Module, example: dict[str, np.ndarray], keyword: bool, config: ExportConfig, exporter: str
+) -> bytes:
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in example.items()}
+    args, kwargs = ((), tensors) if keyword else (tuple(tensors.values()), None)
     try:
-        with torch.no_grad():
-            count = len(_flat_outputs(model(example)))
+        count = len(call_model(model, example, keyword))
         outputs = [config.output_name] + [f"{config.output_name}_{i}" for i in range(1, count)]
-        names = {"input_names": [config.input_name], "output_names": outputs}
+        names = {"input_names": list(tensors), "output_names": outputs}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice, tracer warnings
             if exporter == "dynamo":
+                batch = torch.export.Dim("batch")
+                dims = {name: {0: batch} for name in tensors}
                 program = torch.onnx.export(
                     model,
-                    (example,),
+                    args,
+                    kwargs=kwargs,
                     dynamo=True,
                     external_data=False,
                     opset_version=config.opset,
-                    dynamic_shapes=({0: torch.export.Dim("batch")},),
+                    dynamic_shapes=dims if keyword else tuple(dims.values()),
                     **names,
                 )
                 buffer = io.BytesIO()
@@ -310,11 +343,12 @@ def _export_bytes(model: nn.Module, example: torch.Tensor, config: ExportConfig,
             buffer = io.BytesIO()
             torch.onnx.export(
                 model,
-                (example,),
+                args,
                 buffer,
+                kwargs=kwargs,
                 dynamo=False,
                 opset_version=config.opset,
-                dynamic_axes={name: {0: "batch"} for name in (config.input_name, *outputs)},
+                dynamic_axes={name: {0: "batch"} for name in (*tensors, *outputs)},
                 **names,
             )
             return buffer.getvalue()

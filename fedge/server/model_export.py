@@ -92,8 +92,10 @@ class ExportInputs:
 
     Attributes
     ----------
-    example : ndarray or tensor
-        One input batch of the model's input shape (a batch of 1 is repeated to 2 before export).
+    example : ndarray or tensor, or a tuple or dict of them
+        One input batch of the model's input shape (a batch of 1 is repeated to 2 before export). A model
+        of several inputs gets a tuple (called positionally) or a dict (called by keyword; the graph's
+        inputs take its keys): :mod:`fedge.server.model_inputs`. The fields below take the same structure.
     held_out : ndarray or tensor
         Inputs the ONNX file is verified on at batch 1 and 8 (ORT vs torch, max abs diff ≤ 1e-4).
     calibration : ndarray or tensor, optional
@@ -332,13 +334,15 @@ class ModelExporter:
         self.models_dir.mkdir(parents=True, exist_ok=True)
         building = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self.models_dir))
         try:
+            # one array, or a tuple or dict of them for a model of several inputs (fedge.server.model_inputs)
+            labelled = inputs.labelled
             results = export_variants(
                 self._load_model(arrays),
-                _numpy(inputs.example),
+                inputs.example,
                 building,
-                calibration=None if inputs.calibration is None else _numpy(inputs.calibration),
-                labelled=None if inputs.labelled is None else tuple(map(_numpy, inputs.labelled)),
-                held_out=_numpy(inputs.held_out),
+                calibration=inputs.calibration,
+                labelled=None if labelled is None else (labelled[0], _numpy(labelled[1])),
+                held_out=inputs.held_out,
                 variants=self.config.variants,
                 version=version,
                 round=server_round,

@@ -333,3 +333,56 @@ def test_a_regressor_gets_no_classification_accuracy_in_its_manifests(tmp_path):
         variants=("fp32",),
     )
     assert classes["fp32"][1].accuracy is not None  # a classifier's is still measured
+
+
+class _MaskedTokens(nn.Module):
+    """Two inputs: token ids and a 0/1 mask of the ones that count (a mean over the unmasked tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, CLASSES)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.float().unsqueeze(-1)
+        pooled = (self.embed(tokens) * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        return self.head(pooled)
+
+
+class _ByKeyword(_MaskedTokens):
+    """Called by keyword: its inputs arrive as a dict in another order than its signature's."""
+
+
+@pytest.mark.parametrize("keyword", [False, True], ids=["tuple", "dict"])
+def test_a_model_of_two_inputs_exports_quantizes_and_serves_by_name(keyword, tokens, tmp_path):
+    torch.manual_seed(0)
+    model = (_ByKeyword() if keyword else _MaskedTokens()).eval()
+    mask = (np.random.default_rng(2).random(tokens.shape) < 0.7).astype(np.int64)
+    names = ("tokens", "mask") if keyword else ("input", "input_1")
+    structure = (lambda t, m: {"mask": m, "tokens": t}) if keyword else (lambda t, m: (t, m))
+    labels = np.random.default_rng(3).integers(0, CLASSES, len(tokens))
+    results = export_variants(
+        model,
+        structure(tokens[:2], mask[:2]),
+        tmp_path,
+        calibration=structure(tokens, mask),
+        labelled=(structure(tokens, mask), labels),
+        variants=("fp32", "int8-static", "int8-dynamic"),
+    )
+    fp32_path, fp32 = results["fp32"]
+    assert [spec.name for spec in fp32.inputs] == list(names)
+    assert [spec.dtype for spec in fp32.inputs] == ["int64", "int64"]
+    assert all(manifest.accuracy is not None for _, manifest in results.values())
+    with torch.no_grad():
+        expected = (
+            model(**dict(zip(names, map(torch.from_numpy, (tokens, mask)), strict=True)))
+            if keyword
+            else (model(torch.from_numpy(tokens), torch.from_numpy(mask)))
+        )
+    server = ModelServer(warmup_runs=1)
+    assert server.load(fp32_path).ok
+    named, _ = server.run_named(dict(zip(names, (tokens, mask), strict=True)))
+    assert np.abs(named["logits"] - expected.numpy()).max() <= 1e-4
+    sample = dict(zip(names, (tokens[:4], mask[:4]), strict=True))
+    measured = measure_variants({v: p for v, (p, _) in results.items()}, sample, runs=6, warmup=1)
+    assert len(measured) == 3 and all(m.latency_ms[32][0] > 0 for m in measured)
