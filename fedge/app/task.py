@@ -121,15 +121,15 @@ class Task(ABC):
     **Export to ONNX.** When export is on (``export_every``; the coordinator service exports every round by
     default), the coordinator exports the global model after rounds
     (:mod:`fedge.server.model_export`): the module exported is :meth:`model` with the round's global weights
-    loaded, in eval mode, called as ``module(x)`` on one tensor batch (a tuple or dict of them for a model of
-    several inputs: :mod:`fedge.server.model_inputs`; floating inputs as float32; integer
-    and boolean ones, such as token ids and masks, keep their type), returning a tensor, or a tuple, list or
-    dict of tensors (exported as outputs ``logits``, ``logits_1``, ...; every one verified), whose axis 0
-    is the batch. :meth:`export_inputs` supplies the example input, the held-out inputs the file is
-    verified on (ONNX Runtime within 1e-4 of torch at batch 1 and 8), int8 calibration inputs and labelled
-    data for the manifest's accuracy; by default it slices :meth:`test_set`. A model the exporter cannot
-    handle (a forward that leaves torch, say) fails each export: a warning in
-    the log, ``export_failures`` in the round's metrics, and the run goes on. A task whose model is not
+    loaded, in eval mode, called as ``module(x)`` on one tensor batch (a tuple or dict of them for a model
+    of several inputs: :mod:`fedge.server.model_inputs`; floating inputs as float32, integer and boolean
+    ones such as token ids and masks in their own type), returning a tensor, or a tuple, list or dict of
+    tensors (exported as outputs ``logits``, ``logits_1``, ...; every one verified), whose axis 0 is the
+    batch. :meth:`export_inputs` supplies the example input, the held-out inputs the file is verified on
+    (ONNX Runtime within 1e-4 of torch at batch 1 and 8), int8 calibration inputs and labelled data for the
+    manifest's accuracy; by default it slices :meth:`test_set`. A model the exporter cannot handle (a
+    forward that leaves torch, say) fails each export: a warning in the log, ``export_failures`` in the
+    round's metrics, and the run goes on. A task whose model is not
     meant to be exported returns None from :meth:`export_inputs`: nothing is exported and the log says so.
     """
 

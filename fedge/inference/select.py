@@ -90,8 +90,8 @@ def measure_variants(
     ``paths`` maps each variant to its model file, or to the model's bytes.
 
     ``sample`` provides the inputs (one array, or arrays by input name for a model of several): its first
-    rows, repeated as needed, form each batch. Variants are
-    measured in turns, round-robin, so a burst of load on the device does not favour one of them.
+    rows, repeated as needed, form each batch. Variants are measured in turns, round-robin, so a burst of
+    load on the device does not favour one of them.
     """
     sessions = {
         name: make_session(model if isinstance(model, bytes) else str(model), config)
