@@ -386,3 +386,23 @@ def test_a_model_of_two_inputs_exports_quantizes_and_serves_by_name(keyword, tok
     sample = dict(zip(names, (tokens[:4], mask[:4]), strict=True))
     measured = measure_variants({v: p for v, (p, _) in results.items()}, sample, runs=6, warmup=1)
     assert len(measured) == 3 and all(m.latency_ms[32][0] > 0 for m in measured)
+
+
+def test_a_token_model_travels_as_a_weights_delta(token_model, tokens, tmp_path):
+    """The coordinator checks a delta on inputs of the graph's own types (int64 ids here)."""
+    import copy
+
+    from fedge.server.model_delta import DeltaPlanner
+
+    first = export_onnx(token_model, tokens[:2], tmp_path / "v1.onnx", version="v1")
+    moved = copy.deepcopy(token_model)
+    with torch.no_grad():
+        for param in moved.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    second = export_onnx(moved, tokens[:2], tmp_path / "v2.onnx", version="v2")
+    planner = DeltaPlanner()
+    planner.plan("v1", (tmp_path / "v1.onnx").read_bytes(), first)
+    planned = planner.plan("v2", (tmp_path / "v2.onnx").read_bytes(), second)
+    assert planned.delta is not None and planned.delta.base == "v1"
+    rebuilt = make_session(planned.model).run(None, {"input": tokens[:16]})[0]
+    assert np.abs(rebuilt - _torch(moved, tokens[:16])).max() <= 1e-2  # fp16 weights
