@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_bytes_atomic", "write_json_atomic"]
+__all__ = ["fsync_dir", "write_bytes_atomic", "write_json_atomic"]
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -29,3 +30,13 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 def write_json_atomic(path: Path, payload: Any) -> None:
     """:func:`write_bytes_atomic` of indented JSON."""
     write_bytes_atomic(path, json.dumps(payload, indent=2).encode())
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a directory's entries durable (before it is renamed into place), where the OS allows it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

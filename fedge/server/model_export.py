@@ -23,7 +23,6 @@ export with (:class:`ExportInputs`; the reference app takes them from ``Task.exp
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedge.atomic import write_json_atomic
+from fedge.atomic import fsync_dir, write_json_atomic
 from fedge.config import ConfigError
 
 if TYPE_CHECKING:
@@ -357,7 +356,7 @@ class ModelExporter:
                     path,
                     manifest.with_(accuracy=measured, extra={**manifest.extra, "round_accuracy": accuracy}),
                 )
-            _fsync_dir(building)
+            fsync_dir(building)
             final = self.models_dir / version
             if final.exists():  # a new run in an old directory: its version replaces the old run's
                 stale = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=self.models_dir))
@@ -402,16 +401,6 @@ def _numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach"):
         value = value.detach().cpu().numpy()
     return np.asarray(value)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the directory's entries durable before it is renamed into place (where the OS allows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:
