@@ -406,3 +406,15 @@ def test_a_token_model_travels_as_a_weights_delta(token_model, tokens, tmp_path)
     assert planned.delta is not None and planned.delta.base == "v1"
     rebuilt = make_session(planned.model).run(None, {"input": tokens[:16]})[0]
     assert np.abs(rebuilt - _torch(moved, tokens[:16])).max() <= 1e-2  # fp16 weights
+
+
+def test_a_canary_of_one_input_refuses_a_model_of_two_and_says_why(tokens, tmp_path):
+    from fedge.inference import Canary
+
+    torch.manual_seed(0)
+    mask = np.ones_like(tokens)
+    export_onnx(_MaskedTokens().eval(), (tokens[:2], mask[:2]), tmp_path / "two.onnx")
+    refused = ModelServer(warmup_runs=1).load(tmp_path / "two.onnx", canary=Canary(tokens[:8]))
+    assert not refused.ok and refused.reason == "canary"
+    assert "feeds one input; this model takes input, input_1" in refused.message
+    assert ModelServer(warmup_runs=1).load(tmp_path / "two.onnx").ok  # warmed on zeros of both inputs
