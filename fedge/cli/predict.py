@@ -20,7 +20,7 @@ def predict(
         ..., "--model", help="The .onnx file (its manifest, model.onnx.json, is checked)."
     ),
     input_file: Path = typer.Option(
-        ..., "--input", help="Inputs: .npy (batch first) or .csv (one row per line)."
+        ..., "--input", help="Inputs: .npy (batch first), .csv (one row per line) or .npz (by input name)."
     ),
     out: Path | None = typer.Option(None, "--out", help="Also write predictions here (.csv or .npy)."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Rows per inference call."),
@@ -46,7 +46,8 @@ def predict(
         read_inputs,
         write_predictions,
     )
-    from fedge.inference.io import is_class_scores, write_outputs
+    from fedge.inference.feeds import feed_rows
+    from fedge.inference.io import is_class_scores, read_named_inputs, write_outputs
 
     if not model.is_file():
         raise fail(f"model file {model} does not exist")
@@ -55,14 +56,22 @@ def predict(
     if not loaded.ok:
         raise fail(f"cannot serve {model}: {loaded.message}")
     try:
-        rows = fit_to_shape(read_inputs(input_file), server.current.session.get_inputs()[0].shape)
+        if input_file.suffix == ".npz":  # a model of several inputs: arrays by input name
+            rows = read_named_inputs(input_file)
+            count = len(next(iter(rows.values())))
+        else:
+            rows = fit_to_shape(read_inputs(input_file), server.current.session.get_inputs()[0].shape)
+            count = len(rows)
     except InputError as err:
         raise fail(str(err)) from None
     server.reset_stats()  # warm-up runs are not requests
     batches = []
     try:
-        for i in range(0, len(rows), batch_size):
-            batches.append(server.predict(rows[i : i + batch_size]))
+        for i in range(0, count, batch_size):
+            if isinstance(rows, dict):  # every output by name; the first is the prediction
+                batches.append(next(iter(server.run_named(feed_rows(rows, i, i + batch_size))[0].values())))
+            else:
+                batches.append(server.predict(rows[i : i + batch_size]))
     except Exception as err:  # ORT's errors name the bad input (shape, dtype)
         raise fail(f"inference failed: {type(err).__name__}: {err}") from None
     outputs = np.concatenate(batches) if batches else np.empty((0, 0), np.float32)

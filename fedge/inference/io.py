@@ -20,6 +20,7 @@ __all__ = [
     "is_class_scores",
     "is_npz",
     "read_inputs",
+    "read_named_inputs",
     "write_outputs",
     "write_predictions",
 ]
@@ -50,6 +51,26 @@ def read_inputs(path: str | Path) -> np.ndarray:
     if data.ndim == 0 or not _numeric(data):
         raise InputError(f"{path} holds {data.dtype} of shape {data.shape}, not numeric rows")
     return data
+
+
+def read_named_inputs(path: str | Path) -> dict[str, np.ndarray]:
+    """Inputs by name from an ``.npz`` file (a model of several inputs), each batch first, all of one
+    batch size."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"input file {path} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            named = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as err:
+        raise InputError(f"cannot read {path}: {err}") from None
+    bad = [name for name, array in named.items() if array.ndim == 0 or not _numeric(array)]
+    if not named or bad:
+        raise InputError(f"{path} must hold numeric arrays with a batch axis; {bad or 'it holds none'}")
+    if len({len(array) for array in named.values()}) != 1:
+        sizes = ", ".join(f"{name} {len(array)}" for name, array in named.items())
+        raise InputError(f"the inputs in {path} have different numbers of rows: {sizes}")
+    return named
 
 
 def fit_to_shape(rows: np.ndarray, shape: list[int | str | None]) -> np.ndarray:

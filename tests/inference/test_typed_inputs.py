@@ -418,3 +418,24 @@ def test_a_canary_of_one_input_refuses_a_model_of_two_and_says_why(tokens, tmp_p
     assert not refused.ok and refused.reason == "canary"
     assert "feeds one input; this model takes input, input_1" in refused.message
     assert ModelServer(warmup_runs=1).load(tmp_path / "two.onnx").ok  # warmed on zeros of both inputs
+
+
+def test_fedge_predict_reads_a_model_of_two_inputs_from_npz(tokens, tmp_path):
+    torch.manual_seed(0)
+    model = _MaskedTokens().eval()
+    mask = (np.random.default_rng(4).random(tokens.shape) < 0.7).astype(np.int64)
+    export_onnx(model, (tokens[:2], mask[:2]), tmp_path / "two.onnx")
+    np.savez(tmp_path / "x.npz", input=tokens[:5], input_1=mask[:5])
+    app = typer.Typer()
+    app.command()(predict)
+    app.command("other")(lambda: None)
+    args = ["predict", "--model", str(tmp_path / "two.onnx"), "--input", str(tmp_path / "x.npz"), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    with torch.no_grad():
+        expected = model(torch.from_numpy(tokens[:5]), torch.from_numpy(mask[:5])).argmax(1).tolist()
+    assert json.loads(result.stdout.strip().splitlines()[-1])["predictions"] == expected
+    np.savez(tmp_path / "uneven.npz", input=tokens[:5], input_1=mask[:4])
+    args[4] = str(tmp_path / "uneven.npz")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "different numbers of rows: input 5, input_1 4" in result.output
