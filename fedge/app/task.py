@@ -29,6 +29,7 @@ import torch.optim
 from torch import nn
 
 from fedge.app.digits import digits_split, dirichlet_partitions
+from fedge.app.features import forward, rows, to_numpy
 from fedge.config import ConfigError
 from fedge.importing import import_attribute
 
@@ -49,8 +50,9 @@ __all__ = [
     "warm_up_torch",
 ]
 
-TensorData = tuple[torch.Tensor, torch.Tensor]
-"""Features and integer labels of one data split."""
+TensorData = tuple[Any, torch.Tensor]
+"""Features and integer labels of one data split; features are a tensor, or a tuple or dict of tensors for
+a model of several inputs (:mod:`fedge.app.features`)."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ class Task(ABC):
             for start in range(0, len(order), config.batch_size):
                 batch = order[start : start + config.batch_size]
                 optimizer.zero_grad()
-                loss = loss_fn(model(features[batch]), labels[batch])
+                loss = loss_fn(forward(model, rows(features, batch)), labels[batch])
                 loss.backward()
                 optimizer.step()
                 total += loss.item() * len(batch)
@@ -205,7 +207,7 @@ class Task(ABC):
         """Return ``loss``, ``accuracy`` and ``num-examples`` of ``model`` on ``data``."""
         features, labels = data
         model.eval()
-        logits = model(features)
+        logits = forward(model, features)
         loss = nn.functional.cross_entropy(logits, labels).item() if len(labels) else 0.0
         correct = (logits.argmax(dim=1) == labels).sum().item()
         return {"loss": loss, "accuracy": correct / max(len(labels), 1), "num-examples": float(len(labels))}
@@ -223,13 +225,11 @@ class Task(ABC):
         """
         from fedge.server.model_export import ExportInputs
 
-        features, labels = (t.detach().cpu().numpy() for t in test_set)
-        if features.dtype.kind == "f":
-            features = features.astype("float32", copy=False)
+        features, labels = to_numpy(test_set[0]), test_set[1].detach().cpu().numpy()
         return ExportInputs(
-            example=features[:2],
-            held_out=features[:8],
-            calibration=features[:256],
+            example=rows(features, slice(0, 2)),
+            held_out=rows(features, slice(0, 8)),
+            calibration=rows(features, slice(0, 256)),
             labelled=(features, labels),
         )
 

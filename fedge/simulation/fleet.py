@@ -15,6 +15,7 @@ from flwr.app import Message
 from flwr.serverapp import Grid
 from torch.utils.flop_counter import FlopCounterMode
 
+from fedge.app.features import Features, apply, forward, rows
 from fedge.app.task import PreparedTask
 from fedge.config import ConfigError
 from fedge.devices.fleet import assign_fleet
@@ -29,7 +30,7 @@ __all__ = ["availability_trace", "clocked_grid", "training_flops_per_example"]
 _MEAN_ON_S, _MEAN_OFF_S = 1800.0, 4200.0
 
 
-def training_flops_per_example(model: torch.nn.Module, example: torch.Tensor) -> float:
+def training_flops_per_example(model: torch.nn.Module, example: Features) -> float:
     """FLOPs of one training step on one example (forward, loss and backward), as torch counts them.
 
     Counted on a batch of two copies and halved: a BatchNorm1d in training mode refuses a batch of one.
@@ -37,7 +38,7 @@ def training_flops_per_example(model: torch.nn.Module, example: torch.Tensor) ->
     model = model.train()
     counter = FlopCounterMode(display=False)
     with counter:
-        output = model(torch.stack([example, example]))
+        output = forward(model, apply(example, lambda part: torch.stack([part, part])))
         output.float().sum().backward()
     model.zero_grad(set_to_none=True)
     return float(counter.get_total_flops()) / 2
@@ -67,7 +68,7 @@ def clocked_grid(
     torch.manual_seed(seed)
     model = task.task.model()
     features, _ = task.test_set()
-    per_example = training_flops_per_example(model, features[0])
+    per_example = training_flops_per_example(model, rows(features, 0))
     model_bytes = 4 * sum(t.numel() for t in model.state_dict().values())
 
     def train_flops(instruction: Message, reply: Message) -> float:
