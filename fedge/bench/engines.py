@@ -36,6 +36,7 @@ import math
 import multiprocessing
 import os
 import resource
+import threading
 import time
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -93,7 +94,15 @@ def _training_floor_parallel_s(app: AppConfig, clients: int, workers: int, repea
     return one_round * app.rounds * app.fraction_train
 
 
-def _train_share(app, clients, index, shares, repeats, barrier, results) -> None:
+def _train_share(
+    app: AppConfig,
+    clients: int,
+    index: int,
+    shares: int,
+    repeats: int,
+    barrier: threading.Barrier,
+    results: multiprocessing.Queue,
+) -> None:
     """One process of :func:`_training_floor_parallel_s`: its clients' training, ``repeats`` passes."""
     torch.set_num_threads(1)
     prepared = prepare_task(app.task, app.task_args_json, clients, alpha=app.alpha, seed=app.seed)
