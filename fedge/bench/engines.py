@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import multiprocessing.queues
 import os
 import resource
 import threading
@@ -101,7 +102,7 @@ def _train_share(
     shares: int,
     repeats: int,
     barrier: threading.Barrier,
-    results: multiprocessing.Queue,
+    results: multiprocessing.queues.Queue,
 ) -> None:
     """One process of :func:`_training_floor_parallel_s`: its clients' training, ``repeats`` passes."""
     torch.set_num_threads(1)
