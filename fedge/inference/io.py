@@ -95,9 +95,7 @@ def write_predictions(path: str | Path, predictions: np.ndarray, scores: np.ndar
     """Write predictions as ``.npy`` (class per row) or ``.csv`` (``row,prediction[,score]`` lines)."""
     path = Path(path)
     if path.suffix == ".npy":
-        buffer = io.BytesIO()
-        np.save(buffer, predictions)
-        write_bytes_atomic(path, buffer.getvalue())
+        write_bytes_atomic(path, encode_array(predictions))
         return path
     lines = ["row,prediction" + (",score" if scores is not None else "")]
     for i, label in enumerate(predictions):
@@ -119,9 +117,7 @@ def write_outputs(path: str | Path, outputs: np.ndarray) -> Path:
     """Write raw outputs as ``.npy`` (the array) or ``.csv`` (``row,value_0,value_1,...``; rows flattened)."""
     path = Path(path)
     if path.suffix == ".npy":
-        buffer = io.BytesIO()
-        np.save(buffer, outputs)
-        write_bytes_atomic(path, buffer.getvalue())
+        write_bytes_atomic(path, encode_array(outputs))
         return path
     rows = outputs.reshape(len(outputs), -1)
     lines = ["row," + ",".join(f"value_{j}" for j in range(rows.shape[1]))]
