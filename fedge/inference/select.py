@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedge.inference.feeds import Feeds, as_input, feed_rows, onnx_dtype, resize_rows, session_feed
+from fedge.inference.feeds import Feeds, feed_rows, resize_rows, session_feed
 from fedge.inference.io import is_class_scores
 from fedge.inference.session import SessionConfig, make_session
 
@@ -59,10 +59,7 @@ def measure_latency(
 ) -> tuple[float, float]:
     """``(p50, p95)`` milliseconds of ``session.run`` on ``batch`` (fed in the input's declared type): one
     array for ``input_name``, or arrays by input name."""
-    if isinstance(batch, Mapping):
-        feed = session_feed(session, batch)
-    else:
-        feed = {input_name: as_input(batch, _input_dtype(session, input_name), input_name)}
+    feed = session_feed(session, batch if isinstance(batch, Mapping) else {input_name: batch})
     for _ in range(warmup):
         session.run(None, feed)
     times = np.empty(runs)
@@ -167,7 +164,3 @@ def _accuracy(session, features: Feeds, labels: np.ndarray, batch: int = 256) ->
             return None
         correct += int((logits.argmax(axis=1) == labels[i : i + batch]).sum())
     return correct / max(1, len(labels))
-
-
-def _input_dtype(session, name: str) -> np.dtype:
-    return next(onnx_dtype(i.type) for i in session.get_inputs() if i.name == name)
