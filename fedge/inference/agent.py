@@ -40,7 +40,7 @@ from fedge.config import ConfigError
 from fedge.inference.agent_config import InferenceAgentConfig, read_canary
 from fedge.inference.delta_receiver import DeltaReceiver
 from fedge.inference.distribution import DELTA, Choice, VariantCollector, choose_variant, variant_artifact
-from fedge.inference.feeds import manifest_dtype
+from fedge.inference.feeds import manifest_dtype, zeros_input
 from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
 from fedge.inference.manifest import Manifest, write_manifest
 from fedge.inference.priority import start_at_lower_priority
@@ -350,10 +350,7 @@ class InferenceAgent:
         """Inputs to measure variants on: the canary's, or zeros of each input's shape and type."""
         if self.canary is not None and len(manifest.inputs) == 1:
             return self.canary.inputs
-        zeros = {}
-        for spec in manifest.inputs:
-            shape = [d if isinstance(d, int) else 1 for d in spec.shape]
-            zeros[spec.name] = np.zeros(shape, manifest_dtype(spec.dtype))
+        zeros = {spec.name: zeros_input(spec.shape, manifest_dtype(spec.dtype)) for spec in manifest.inputs}
         return zeros if len(zeros) > 1 else next(iter(zeros.values()))
 
     def _log_swap(

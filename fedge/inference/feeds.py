@@ -86,9 +86,9 @@ def as_input(array: np.ndarray, dtype: np.dtype, name: str = "input") -> np.ndar
     return np.ascontiguousarray(array, dtype=dtype)
 
 
-def zeros_input(shape: Sequence[int | str | None], onnx_type: str, batch: int = 1) -> np.ndarray:
-    """Zeros of an input's shape (``batch`` for every dynamic axis) and type: a warm-up or probe feed."""
-    return np.zeros([d if isinstance(d, int) else batch for d in shape], onnx_dtype(onnx_type))
+def zeros_input(shape: Sequence[int | str | None], dtype: np.dtype, batch: int = 1) -> np.ndarray:
+    """Zeros of an input's shape (``batch`` for every dynamic axis) and dtype: a warm-up or probe feed."""
+    return np.zeros([d if isinstance(d, int) else batch for d in shape], dtype)
 
 
 def session_feed(session, inputs: Feeds) -> dict[str, np.ndarray]:

@@ -254,7 +254,7 @@ class ModelServer:
         """Warm the new session (on the canary when there is one) and judge its outputs."""
         try:
             if canary is None:  # zeros for every input (a pipeline stage may have several)
-                feed = {i.name: zeros_input(i.shape, i.type) for i in session.get_inputs()}
+                feed = {i.name: zeros_input(i.shape, input_types[i.name]) for i in session.get_inputs()}
             elif len(input_types) > 1:
                 raise InputError(f"the canary set feeds one input; this model takes {', '.join(input_types)}")
             else:

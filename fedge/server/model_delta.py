@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedge.compression import build_codec
-from fedge.inference.feeds import zeros_input
+from fedge.inference.feeds import onnx_dtype, zeros_input
 from fedge.inference.manifest import Manifest, sha256_bytes
 from fedge.inference.session import make_session
 from fedge.inference.weights_delta import WeightsDelta, encode_delta, read_weights, same_graph
@@ -93,7 +93,7 @@ def _max_output_diff(exact: bytes, rebuilt: bytes) -> float:
     rng = np.random.default_rng(0)
     feeds = {}
     for spec in sessions[0].get_inputs():  # random floats; zeros for token ids and masks (always valid)
-        zeros = zeros_input(spec.shape, spec.type, batch=8)
+        zeros = zeros_input(spec.shape, onnx_dtype(spec.type), batch=8)
         floats = zeros.dtype.kind == "f"
         feeds[spec.name] = rng.standard_normal(zeros.shape).astype(zeros.dtype) if floats else zeros
     outputs = [session.run(None, feeds) for session in sessions]
