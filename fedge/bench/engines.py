@@ -32,13 +32,13 @@ against what the training costs on the shared cores: context for the note, the g
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import multiprocessing.queues
 import os
 import resource
 import threading
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
@@ -55,24 +55,38 @@ from fedge.simulation.engines import run_simulation
 def _training_floor_s(app: AppConfig, clients: int, workers: int, repeats: int = 3) -> float:
     """The run's client training at best: one round of it (the fastest of ``repeats``), times the rounds,
     over the workers."""
+    # the fastest of a few: other work on the machine only ever adds time
+    one_round = min(_training_passes(app, clients, range(clients), repeats))
+    return one_round * app.rounds * app.fraction_train / _busy_cores(workers)
+
+
+def _training_passes(
+    app: AppConfig,
+    clients: int,
+    trained: range,
+    repeats: int,
+    before_pass: Callable[[], object] | None = None,
+) -> list[float]:
+    """Seconds of each of ``repeats`` passes of the ``trained`` clients' first-round training, on one
+    intra-op thread as in a worker process, each client from the same initial model."""
     prepared = prepare_task(app.task, app.task_args_json, clients, alpha=app.alpha, seed=app.seed)
-    task = prepared.task
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in a worker process
-    model = task.model()
+    torch.set_num_threads(1)
+    model = prepared.task.model()
     initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    one_round = math.inf
-    for _ in range(repeats):  # the fastest of a few: other work on the machine only ever adds time
+    times = []
+    for _ in range(repeats):
+        if before_pass is not None:
+            before_pass()
         start = time.perf_counter()
-        for client in range(clients):
+        for client in trained:
             model.load_state_dict(initial)
-            data = prepared.partition(client)
             seed = local_seed(app.seed, client, 1)
             train = TrainConfig(app.local_epochs, app.learning_rate, app.batch_size, seed=seed)
-            task.train(model, data, train)
-        one_round = min(one_round, time.perf_counter() - start)
+            prepared.task.train(model, prepared.partition(client), train)
+        times.append(time.perf_counter() - start)
     torch.set_num_threads(threads)
-    return one_round * app.rounds * app.fraction_train / _busy_cores(workers)
+    return times
 
 
 def _training_floor_parallel_s(app: AppConfig, clients: int, workers: int, repeats: int = 3) -> float:
@@ -104,22 +118,9 @@ def _train_share(
     barrier: threading.Barrier,
     results: multiprocessing.queues.Queue,
 ) -> None:
-    """One process of :func:`_training_floor_parallel_s`: its clients' training, ``repeats`` passes."""
-    torch.set_num_threads(1)
-    prepared = prepare_task(app.task, app.task_args_json, clients, alpha=app.alpha, seed=app.seed)
-    model = prepared.task.model()
-    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    times = []
-    for _ in range(repeats):
-        barrier.wait()
-        start = time.perf_counter()
-        for client in range(index, clients, shares):
-            model.load_state_dict(initial)
-            seed = local_seed(app.seed, client, 1)
-            train = TrainConfig(app.local_epochs, app.learning_rate, app.batch_size, seed=seed)
-            prepared.task.train(model, prepared.partition(client), train)
-        times.append(time.perf_counter() - start)
-    results.put(times)
+    """One process of :func:`_training_floor_parallel_s`: its clients' training, ``repeats`` passes, each
+    started with the other processes'."""
+    results.put(_training_passes(app, clients, range(index, clients, shares), repeats, barrier.wait))
 
 
 def _busy_cores(workers: int) -> int:
