@@ -241,27 +241,33 @@ class TokenTask(Task):
 '''
 
 
-def test_a_token_task_trains_federated_and_every_round_exports_an_int64_model(tmp_path):
-    """The whole path with a task fedge has not seen: a simulation exports every round, with int8."""
+def _simulate(tmp_path, source: str, task: str, settings: str) -> tuple:
+    """``fedge simulate`` of the task class ``task`` defined by ``source``: two clients, two rounds, an
+    export every round, plus ``settings`` (TOML); the run's directory and its rounds' metrics."""
     from fedge.cli import app as cli
 
-    (tmp_path / "tokens.py").write_text(TOKEN_TASK)
+    (tmp_path / "task.py").write_text(source)
     (tmp_path / "run.toml").write_text(
-        f'task = "{tmp_path / "tokens.py"}:TokenTask"\nclients = 2\nrounds = 2\nlocal-epochs = 2\n'
-        'learning-rate = 0.5\nexport-every = 1\nexport-variants = ["fp32", "int8-dynamic", "int8-static"]\n'
+        f'task = "{tmp_path / "task.py"}:{task}"\nclients = 2\nrounds = 2\nlocal-epochs = 2\n'
+        f"learning-rate = 0.5\nexport-every = 1\n{settings}"
     )
     out = tmp_path / "run"
     args = ["simulate", "--config", str(tmp_path / "run.toml"), "--workers", "2", "--out", str(out)]
     result = CliRunner().invoke(cli, args)
-
     assert result.exit_code == 0, result.output
-    rows = json.loads((out / "metrics.json").read_text())["rounds"]
+    return out, json.loads((out / "metrics.json").read_text())["rounds"]
+
+
+def test_a_token_task_trains_federated_and_every_round_exports_an_int64_model(tmp_path):
+    """The whole path with a task fedge has not seen: a simulation exports every round, with int8."""
+    variants = 'export-variants = ["fp32", "int8-dynamic", "int8-static"]\n'
+    out, rows = _simulate(tmp_path, TOKEN_TASK, "TokenTask", variants)
     assert [r["export_version"] for r in rows] == ["r0001", "r0002"]
     assert all(r["export_failures"] == 0 for r in rows) and rows[-1]["accuracy"] > 0.9
     latest = json.loads((out / "models" / "latest.json").read_text())
     assert set(latest["files"]) == {"fp32", "int8-dynamic", "int8-static"}
     tokens, labels = (
-        t.numpy() for t in load_task(f"{tmp_path / 'tokens.py'}:TokenTask").test_set(2, alpha=1, seed=0)
+        t.numpy() for t in load_task(f"{tmp_path / 'task.py'}:TokenTask").test_set(2, alpha=1, seed=0)
     )
     server = ModelServer(warmup_runs=1)
     for variant, name in latest["files"].items():
@@ -494,19 +500,11 @@ class MaskedTask(Task):
 @pytest.mark.parametrize("keyword", [False, True], ids=["tuple", "dict"])
 def test_a_task_of_two_inputs_needs_no_code_beyond_its_data(keyword, tmp_path):
     """Default training, evaluation, FLOP counting (a fleet) and export, for features of two tensors."""
-    from fedge.cli import app as cli
-
-    (tmp_path / "masked.py").write_text(MASKED_TASK)
-    (tmp_path / "run.toml").write_text(
-        f'task = "{tmp_path / "masked.py"}:MaskedTask"\nclients = 2\nrounds = 2\nlocal-epochs = 2\n'
-        f'learning-rate = 0.5\nexport-every = 1\nexport-variants = ["fp32", "int8-dynamic"]\n'
-        f"task_args = {{keyword = {str(keyword).lower()}}}\n[fleet]\nmix = {{pi4_wifi = 1.0}}\n"
+    settings = (
+        f'export-variants = ["fp32", "int8-dynamic"]\ntask_args = {{keyword = {str(keyword).lower()}}}\n'
+        "[fleet]\nmix = {pi4_wifi = 1.0}\n"
     )
-    out = tmp_path / "run"
-    args = ["simulate", "--config", str(tmp_path / "run.toml"), "--workers", "2", "--out", str(out)]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    rows = json.loads((out / "metrics.json").read_text())["rounds"]
+    out, rows = _simulate(tmp_path, MASKED_TASK, "MaskedTask", settings)
     assert rows[-1]["accuracy"] > 0.9 and all(r["export_failures"] == 0 for r in rows)
     assert all(r["sim_time_s"] > 0 for r in rows)  # the clock counted the two-input model's FLOPs
     manifest = json.loads((out / "models" / "r0002" / "model.onnx.json").read_text())
