@@ -1,16 +1,14 @@
 """Simulation over MQTT: a broker, the coordinator service and one agent process per client, on one machine.
 
 The run goes through exactly the code a deployment uses (MqttGrid, the agent, the transport), so this engine
-is how to try fedge's wire path before there are devices.
+is how to try fedge's wire path before there are devices. Agents are forked from a process that imported
+them once (:mod:`fedge.simulation.agent_processes`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterable
 from contextlib import ExitStack
@@ -22,6 +20,7 @@ from fedge.localnet import EmbeddedBroker
 from fedge.reporting.history import RoundListener, RunHistory
 from fedge.server.schedule import Schedule
 from fedge.server.service import ServiceConfig
+from fedge.simulation.agent_processes import AgentLauncher
 from fedge.transport import MqttConfig
 
 __all__ = ["run_mqtt_simulation", "write_agent_config"]
@@ -65,14 +64,17 @@ def run_mqtt_simulation(
     with ExitStack() as stack:
         if not broker_url:
             broker_url = stack.enter_context(EmbeddedBroker()).url
-        agents = [
-            _spawn_agent(
-                write_agent_config(workdir, i, clients, broker_url, app_config.task),
-                workdir / f"agent-{i}.log",
-            )
-            for i in range(clients)
-        ]
-        stack.callback(_stop_all, agents)
+        task = {
+            "path": app_config.task,
+            "args_json": app_config.task_args_json,
+            "num_partitions": clients,
+            "alpha": app_config.alpha,
+            "seed": app_config.seed,
+        }
+        launcher = stack.enter_context(AgentLauncher(task=task))
+        for i in range(clients):
+            config = write_agent_config(workdir, i, clients, broker_url, app_config.task)
+            launcher.spawn(config, workdir / f"agent-{i}.log")
         service = ServiceConfig(
             mqtt=MqttConfig(broker_url=coordinator_url or broker_url, fleet=_FLEET),
             state_dir=str(workdir / "coordinator"),
@@ -104,26 +106,3 @@ def write_agent_config(
         f'"num-partitions" = {clients}\n'
     )
     return path
-
-
-def _spawn_agent(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    # Many agents on one machine: one OpenMP thread each, and two malloc arenas instead of one per thread
-    # (glibc's default), which keeps each agent's resident memory down.
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
-    with log_path.open("ab") as log_file:
-        return subprocess.Popen(
-            [sys.executable, "-m", "fedge", "agent", "--config", str(config)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-
-
-def _stop_all(agents: list[subprocess.Popen[bytes]]) -> None:
-    for process in agents:
-        process.terminate()
-    for process in agents:
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
