@@ -15,6 +15,18 @@ clients :func:`attacker_ids` chooses from the node's ``partition-id``. With ``r`
 * ``noise``: ``r + ε``, ``ε ~ N(0, σ²)`` per element with ``σ = ‖u‖ / √D``, so ``‖ε‖ ≈ ‖u‖``: a random
   direction as long as an honest update.
 
+Two attacks collude. Every attacker trains the received model honestly on each attacker's partition (it
+can: a simulation's task serves any partition), so all of them know the ``m`` honest updates ``u_1 … u_m``
+of their group, with per-coordinate mean ``μ`` and standard deviation ``σ``, and all send the same reply:
+
+* ``alie`` ("a little is enough", Baruch et al., NeurIPS 2019): ``r + μ − z · σ``, with
+  ``z = Φ⁻¹((N − s) / N)`` and ``s = ⌊N/2 + 1⌋ − m``: the largest shift per coordinate that still keeps the
+  attackers inside the spread of honest values a median or trimmed mean picks from. Small in norm, the
+  same sign everywhere: it defeats defences that look for outliers.
+* ``ipm`` (inner-product manipulation, Xie et al., UAI 2019): ``r − ε · μ`` with ``ε =``
+  :data:`IPM_EPSILON`: the colluders' mean, reversed and shrunk so its norm stays below an honest update's,
+  to turn the aggregate's inner product with the true gradient negative.
+
 Norms and ``D`` run over the floating-point tensors; integer buffers (BatchNorm's ``num_batches_tracked``)
 keep their trained values. Which clients attack is fixed for a run: the first ``round(attackers · N)``
 (at least one) of a permutation of the ``N`` partition ids seeded by the run's ``seed``.
@@ -24,17 +36,31 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
+from statistics import NormalDist
 
 import numpy as np
-from flwr.app import ArrayRecord, Context, Message, MessageType
+from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 
 from fedge.protocol.records import arrays_to_record, record_to_arrays
 
-__all__ = ["ATTACKS", "SCALE_FACTOR", "AttackMod", "attacker_ids", "poison"]
+__all__ = [
+    "ATTACKS",
+    "COLLUDING",
+    "IPM_EPSILON",
+    "SCALE_FACTOR",
+    "AttackMod",
+    "alie_z",
+    "attacker_ids",
+    "poison",
+]
 
-ATTACKS = ("sign-flip", "scale", "noise")
+ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm")
+COLLUDING = ("alie", "ipm")
+"""Attacks whose reply is computed from every attacker's honest update."""
 SCALE_FACTOR = 10.0
+IPM_EPSILON = 0.5
 
 
 def attacker_ids(num_partitions: int, fraction: float, seed: int) -> frozenset[int]:
@@ -49,8 +75,20 @@ def attacker_ids(num_partitions: int, fraction: float, seed: int) -> frozenset[i
     return frozenset(int(i) for i in order[:count])
 
 
+def alie_z(num_clients: int, num_attackers: int) -> float:
+    """ALIE's shift in standard deviations: ``Φ⁻¹((N − s) / N)`` with ``s = ⌊N/2 + 1⌋ − m`` (at least 0)."""
+    supporters = math.floor(num_clients / 2 + 1) - num_attackers
+    share = min(max((num_clients - supporters) / num_clients, 0.5), 0.999)
+    return NormalDist().inv_cdf(share)
+
+
 def poison(
-    attack: str, received: dict[str, np.ndarray], trained: dict[str, np.ndarray], seed: int = 0
+    attack: str,
+    received: dict[str, np.ndarray],
+    trained: dict[str, np.ndarray],
+    seed: int = 0,
+    group: Sequence[dict[str, np.ndarray]] = (),
+    num_clients: int = 0,
 ) -> dict[str, np.ndarray]:
     """The weights an attacker replies with instead of ``trained``.
 
@@ -63,6 +101,10 @@ def poison(
         tensors only: every array here is changed).
     seed : int (default: 0)
         Seeds the noise of ``noise``.
+    group : sequence of dicts of float32 arrays (default: ())
+        For :data:`COLLUDING` attacks: the weights every attacker (this one included) trained honestly.
+    num_clients : int (default: 0)
+        For ``alie``: the clients of the run, ``N``.
 
     Returns
     -------
@@ -71,6 +113,8 @@ def poison(
     """
     if attack not in ATTACKS:
         raise ValueError(f"unknown attack {attack!r}; choose one of: {', '.join(ATTACKS)}")
+    if attack in COLLUDING:
+        return _colluding(attack, received, list(group) or [trained], num_clients)
     update = {name: trained[name] - received[name] for name in trained}
     if attack == "sign-flip":
         return {name: received[name] - update[name] for name in trained}
@@ -84,6 +128,22 @@ def poison(
         name: received[name] + rng.normal(0.0, sigma, size=u.shape).astype(np.float32)
         for name, u in update.items()
     }
+
+
+def _colluding(
+    attack: str, received: dict[str, np.ndarray], group: list[dict[str, np.ndarray]], num_clients: int
+) -> dict[str, np.ndarray]:
+    poisoned = {}
+    for name, start in received.items():
+        updates = np.stack([weights[name] - start for weights in group]).astype(np.float64)
+        mean = updates.mean(axis=0)
+        if attack == "alie":
+            z = alie_z(max(num_clients, len(group)), len(group))
+            step = mean - z * updates.std(axis=0)
+        else:
+            step = -IPM_EPSILON * mean
+        poisoned[name] = (start + step).astype(np.float32)
+    return poisoned
 
 
 class AttackMod:
@@ -125,11 +185,38 @@ class AttackMod:
         trained, dtypes = record_to_arrays(reply.content[keys[0]])
         floating = [name for name, dtype in dtypes.items() if np.dtype(dtype).kind == "f"]
         noise_seed = zlib.crc32(f"attack/{seed}/{partition}/{config.get('server-round', 0)}".encode())
+        group = []
+        if attack in COLLUDING:  # train honestly on every attacker's partition, as each of them did
+            for other in sorted(chosen):
+                weights = trained if other == partition else self._honest(msg, context, call_next, other)
+                group.append({name: weights[name] for name in floating})
         poisoned = poison(
             attack,
             {name: received[name] for name in floating},
             {name: trained[name] for name in floating},
             noise_seed,
+            group,
+            int(context.node_config["num-partitions"]),
         )
         reply.content[keys[0]] = arrays_to_record(trained | poisoned, dtypes)
         return reply
+
+    @staticmethod
+    def _honest(
+        msg: Message, context: Context, call_next: ClientAppCallable, partition: int
+    ) -> dict[str, np.ndarray]:
+        """The weights an honest client of ``partition`` replies to ``msg`` with."""
+        other = Context(
+            run_id=context.run_id,
+            node_id=context.node_id,
+            node_config={**context.node_config, "partition-id": partition},
+            state=RecordDict(),
+            run_config=context.run_config,
+        )
+        reply = call_next(msg, other)
+        if reply.has_error():
+            raise RuntimeError(
+                f"colluding attack: training partition {partition} failed: {reply.error.reason}"
+            )
+        (record,) = [v for v in reply.content.values() if isinstance(v, ArrayRecord)]
+        return record_to_arrays(record)[0]

@@ -267,7 +267,7 @@ class AppConfig:
         if not 0.0 <= self.attackers <= 1.0:
             raise ConfigError(f"attackers is a fraction of the clients, in [0, 1]; got {self.attackers}")
         if not self.attack and self.attackers != 0.2:
-            raise ConfigError("attackers needs attack (sign-flip, scale or noise)")
+            raise ConfigError(f"attackers needs attack ({', '.join(ATTACKS)})")
 
     def _check_compression(self) -> None:
         """Compression settings: valid specs, and none of them without an uplink codec."""

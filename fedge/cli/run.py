@@ -72,7 +72,8 @@ def simulate(
         "(asynchronous; buffer_size, concurrency, staleness_exponent in the TOML) [default: fedavg].",
     ),
     attack: str | None = typer.Option(
-        None, help="Simulated poisoning clients: sign-flip, scale (x10) or noise [default: none]."
+        None,
+        help="Simulated poisoning: sign-flip, scale (x10), noise, alie or ipm (colluding) [default: none].",
     ),
     attackers: float | None = typer.Option(
         None, help="Fraction of the clients that attack (needs --attack) [default: 0.2]."
