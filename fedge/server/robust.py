@@ -29,6 +29,7 @@ from fedge.protocol.records import arrays_to_record
 from fedge.server.channel import CompressionConfig
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.screening import Rejected, ScreenedReply
+from fedge.server.similarity import duplicate_groups
 from fedge.server.streaming import StreamingFedAvg
 
 __all__ = [
@@ -77,6 +78,9 @@ class RobustConfig:
        rounds it takes part in; updates of nodes with ``ρ < min_agreement`` are left out of the round
        (never more than half of them): they are not counted, so their clients fold them back into their
        residual. ``n`` below counts the updates kept.
+    2b. **Near-duplicates.** Updates whose cosine is at least ``max_similarity`` form a group (colluders
+       sending one vector; :mod:`fedge.server.similarity`), of which only the first is aggregated: a group
+       is one opinion, not ``m`` votes in every coordinate's order statistic. All of them are counted.
     3. **Senders.** For coordinate ``j``: ``N_j = {i : j ∈ S_i}``, ``c_j = |N_j|``.
     4. **Robust value over the senders.** ``r_j`` is, over the values ``{d_ij : i ∈ N_j}``,
 
@@ -131,6 +135,8 @@ class RobustConfig:
         Reputation below which a node's update is left out (step 2); ≤ −1 turns the test off.
     memory : float (default: 0.5)
         Weight of a node's past reputation in its running mean, in [0, 1).
+    max_similarity : float (default: 0.99)
+        Cosine at or above which updates are near-duplicates (step 2b); > 1 turns the test off.
     """
 
     rule: str = "median"
@@ -138,6 +144,7 @@ class RobustConfig:
     clip_ratio: float = 1.0
     min_agreement: float = -1.0
     memory: float = 0.5
+    max_similarity: float = 0.99
 
     def __post_init__(self) -> None:
         if self.rule not in ROBUST_RULES:
@@ -148,6 +155,8 @@ class RobustConfig:
             raise ValueError(f"memory must be in [0, 1), got {self.memory}")
         if math.isnan(self.min_agreement):
             raise ValueError("min_agreement must be a number (<= -1: keep every update)")
+        if not self.max_similarity > 0.0:  # also refuses NaN
+            raise ValueError(f"max_similarity must be > 0 (> 1: off), got {self.max_similarity}")
         if not self.clip_ratio > 0.0:  # also refuses NaN
             raise ValueError(f"clip_ratio must be > 0 (inf: no clipping), got {self.clip_ratio}")
 
@@ -337,6 +346,13 @@ class RobustStreamingFedAvg(StreamingFedAvg):
             clipped += scale < 1.0
             aggregated.append(reply)
         size = sum(array.size for array in self._model.values())
+        keep = [True] * len(updates)
+        for group in duplicate_groups(updates, self.robust.max_similarity):
+            for member in group[1:]:
+                keep[member] = False
+        twins = [reply.node_id for reply, kept in zip(aggregated, keep, strict=True) if not kept]
+        updates = [update for update, kept in zip(updates, keep, strict=True) if kept]
+        aggregated = [reply for reply, kept in zip(aggregated, keep, strict=True) if kept]
         keep = self._keep(updates, [reply.node_id for reply in aggregated], size)
         updates = [update for update, kept in zip(updates, keep, strict=True) if kept]
         left_out = len(aggregated) - len(updates)
@@ -352,10 +368,13 @@ class RobustStreamingFedAvg(StreamingFedAvg):
             offset += array.size
         self.optimizer.step(self._model, running, averaged=statistics(self._dtypes))
         del running, delta
-        self.channel.count(server_round, [reply.node_id for reply in aggregated])
+        # A near-duplicate counts as its group's kept update did: it was heard, once. (Left uncounted, its
+        # client would fold it back into its residual and the group would drift apart, round by round.)
+        self.channel.count(server_round, [reply.node_id for reply in aggregated] + twins)
         self._extras[server_round] = {
             "clipped": clipped,
             "left_out": left_out,
+            "duplicates": len(twins),
             "senders_per_coordinate": senders / sent if sent else 0.0,
         }
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
