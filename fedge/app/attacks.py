@@ -76,7 +76,8 @@ def attacker_ids(num_partitions: int, fraction: float, seed: int) -> frozenset[i
 
 
 def alie_z(num_clients: int, num_attackers: int) -> float:
-    """ALIE's shift in standard deviations: ``Φ⁻¹((N − s) / N)`` with ``s = ⌊N/2 + 1⌋ − m`` (at least 0)."""
+    """ALIE's shift in standard deviations, ``Φ⁻¹((N − s) / N)`` with ``s = ⌊N/2 + 1⌋ − m``; the share is
+    kept in [0.5, 0.999], so ``z`` in [0, 3.09] (a majority of attackers would make it infinite)."""
     supporters = math.floor(num_clients / 2 + 1) - num_attackers
     share = min(max((num_clients - supporters) / num_clients, 0.5), 0.999)
     return NormalDist().inv_cdf(share)

@@ -124,7 +124,7 @@ class AgentLauncher:
 
     @property
     def pids(self) -> list[int]:
-        """The running agents' process ids, in the order they were spawned."""
+        """The agents' process ids, in the order they were spawned (until :meth:`stop`)."""
         return [agent.pid for agent in self._agents]
 
     @property
@@ -145,9 +145,12 @@ class AgentLauncher:
             self._agents.append(agent)
             return
         assert self._launcher.stdin is not None and self._launcher.stdout is not None
-        self._launcher.stdin.write(json.dumps({"config": str(config), "log": str(log_path)}) + "\n")
-        self._launcher.stdin.flush()
-        answer = self._launcher.stdout.readline()
+        try:
+            self._launcher.stdin.write(json.dumps({"config": str(config), "log": str(log_path)}) + "\n")
+            self._launcher.stdin.flush()
+            answer = self._launcher.stdout.readline()
+        except BrokenPipeError:
+            answer = ""
         if not answer.strip().isdigit():
             raise RuntimeError(
                 f"the agent launcher exited (code {self._launcher.poll()}) before forking {config}"
