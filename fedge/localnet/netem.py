@@ -162,6 +162,11 @@ class LossyLinkProxy:
         return self._profile
 
     @property
+    def open_connections(self) -> int:
+        """Connections open through the proxy now."""
+        return len(self._connections)
+
+    @property
     def url(self) -> str:
         """``mqtt://<listen host>:<port>``, for pointing an MQTT client at the proxy."""
         return f"mqtt://{self.listen_host}:{self.port}"

@@ -117,7 +117,9 @@ def test_will_marks_a_vanished_node_offline_only_after_the_delay(
         wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=8)
         assert changes[-1][2] - down_at >= 1.9
         proxy.set_down(False)
-        wait_for(lambda: coordinator.online_nodes() == {"n1"}, timeout_s=5)
+        wait_for(lambda: coordinator.online_nodes() == {"n1"}, timeout_s=20)
         assert [up for _, up, _ in changes] == [True, False, True]
         node.close()  # leaving on purpose: LEFT, reported without waiting for a delay
-        wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=1)
+        closed_at = time.monotonic()
+        wait_for(lambda: coordinator.online_nodes() == set(), timeout_s=20)
+        assert changes[-1][2] - closed_at < 2.0  # sooner than the will delay: it was not the will
