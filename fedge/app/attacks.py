@@ -27,6 +27,10 @@ of their group, with per-coordinate mean ``μ`` and standard deviation ``σ``, a
   :data:`IPM_EPSILON`: the colluders' mean, reversed and shrunk so its norm stays below an honest update's,
   to turn the aggregate's inner product with the true gradient negative.
 
+One attack poisons data instead: ``label-flip`` clients train honestly on their partition with every label
+``y`` replaced by ``C − 1 − y`` (``C`` classes, from the task's test labels); their weights are not
+touched afterwards. The reference ClientApp's ``train`` applies it (:func:`flip_labels`).
+
 Norms and ``D`` run over the floating-point tensors; integer buffers (BatchNorm's ``num_batches_tracked``)
 keep their trained values. Which clients attack is fixed for a run: the first ``round(attackers · N)``
 (at least one) of a permutation of the ``N`` partition ids seeded by the run's ``seed``.
@@ -36,8 +40,9 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MessageType, RecordDict
@@ -48,17 +53,22 @@ from fedge.protocol.records import arrays_to_record, record_to_arrays
 __all__ = [
     "ATTACKS",
     "COLLUDING",
+    "DATA_ATTACKS",
     "IPM_EPSILON",
     "SCALE_FACTOR",
     "AttackMod",
     "alie_z",
     "attacker_ids",
+    "flip_labels",
+    "is_attacker",
     "poison",
 ]
 
-ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm")
+ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "label-flip")
 COLLUDING = ("alie", "ipm")
 """Attacks whose reply is computed from every attacker's honest update."""
+DATA_ATTACKS = ("label-flip",)
+"""Attacks on the training data; the trained weights are sent as they are."""
 SCALE_FACTOR = 10.0
 IPM_EPSILON = 0.5
 
@@ -73,6 +83,27 @@ def attacker_ids(num_partitions: int, fraction: float, seed: int) -> frozenset[i
     count = min(num_partitions, max(1, math.floor(fraction * num_partitions + 0.5)))
     order = np.random.default_rng(seed).permutation(num_partitions)
     return frozenset(int(i) for i in order[:count])
+
+
+def is_attacker(config: Mapping[str, Any], node_config: Mapping[str, Any], attack: str) -> bool:
+    """Whether this node runs ``attack`` in the training round ``config`` (a train ConfigRecord) describes."""
+    if str(config.get("attack", "")) != attack:
+        return False
+    chosen = attacker_ids(
+        int(node_config["num-partitions"]), float(config.get("attackers", 0.0)), int(config.get("seed", 0))
+    )
+    return int(node_config["partition-id"]) in chosen
+
+
+def flip_labels(labels: Any, num_classes: int) -> Any:
+    """``C − 1 − y`` for integer class labels ``y`` in ``[0, C)`` (a torch tensor or numpy array)."""
+    if hasattr(labels, "is_floating_point"):  # torch
+        integer = not (labels.is_floating_point() or labels.is_complex())
+    else:
+        integer = np.asarray(labels).dtype.kind in "iu"
+    if not integer:
+        raise ValueError("label-flip needs integer class labels; this task's labels are not")
+    return (num_classes - 1) - labels
 
 
 def alie_z(num_clients: int, num_attackers: int) -> float:
@@ -171,7 +202,7 @@ class AttackMod:
         chosen = attacker_ids(
             int(context.node_config["num-partitions"]), float(config.get("attackers", 0.0)), seed
         )
-        if partition not in chosen:
+        if partition not in chosen or attack in DATA_ATTACKS:  # data attacks act in the ClientApp's train
             return call_next(msg, context)
         records = [v for v in msg.content.values() if isinstance(v, ArrayRecord)]
         if len(records) != 1:

@@ -8,12 +8,13 @@ every engine.
 from __future__ import annotations
 
 import zlib
+from functools import lru_cache
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedge.app.attacks import AttackMod
+from fedge.app.attacks import AttackMod, flip_labels, is_attacker
 from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
 from fedge.app.weights import load_record, state_record
 from fedge.client.compression_mod import CompressionMod
@@ -41,7 +42,10 @@ def train(msg: Message, context: Context) -> Message:
         batch_size=int(config["batch-size"]),
         seed=local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0))),
     )
-    metrics = task.task.train(model, task.partition(partition_id), train_config)
+    features, labels = task.partition(partition_id)
+    if is_attacker(config, context.node_config, "label-flip"):  # simulated data poisoning
+        labels = flip_labels(labels, _num_classes(task))
+    metrics = task.task.train(model, (features, labels), train_config)
     content = RecordDict({"arrays": state_record(model), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
 
@@ -69,6 +73,12 @@ def _task(config: ConfigRecord, context: Context) -> PreparedTask:
         alpha=float(config["alpha"]),
         seed=int(config["seed"]),
     )
+
+
+@lru_cache(maxsize=8)
+def _num_classes(task: PreparedTask) -> int:
+    """Classes of a classification task, from its test labels (for label flipping), once per task."""
+    return int(task.test_set()[1].max()) + 1
 
 
 def _received_model(task: PreparedTask, msg: Message) -> nn.Module:

@@ -73,7 +73,7 @@ def simulate(
     ),
     attack: str | None = typer.Option(
         None,
-        help="Simulated poisoning: sign-flip, scale (x10), noise, alie or ipm (colluding) [default: none].",
+        help="Simulated poisoning: sign-flip, scale (x10), noise, alie, ipm (colluding), label-flip.",
     ),
     attackers: float | None = typer.Option(
         None, help="Fraction of the clients that attack (needs --attack) [default: 0.2]."

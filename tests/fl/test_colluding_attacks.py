@@ -1,4 +1,4 @@
-"""Colluding attacks (ALIE, IPM): their formulas, and attacker clients computing them from honest training."""
+"""Colluding attacks (ALIE, IPM) and label flipping: formulas, and attacker clients of the reference app."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 import torch
 from flwr.app import Message, MessageType, RecordDict
 
-from fedge.app.attacks import IPM_EPSILON, alie_z, attacker_ids, poison
+from fedge.app.attacks import IPM_EPSILON, alie_z, attacker_ids, flip_labels, poison
 from fedge.app.client_app import app as client_app
+from fedge.app.client_app import local_seed
 from fedge.app.config import AppConfig
 from fedge.app.server_app import train_config_record
-from fedge.app.task import prepare_task
-from fedge.app.weights import state_record
+from fedge.app.task import TrainConfig, prepare_task
+from fedge.app.weights import load_record, state_record
 from fedge.flower.compat import set_task_identity
 from fedge.protocol.records import record_to_arrays
 from fedge.simulation.config import SimulationConfig
@@ -94,3 +95,34 @@ def test_a_run_under_ipm_still_learns_with_a_robust_rule(caplog):
     history = run_simulation(SimulationConfig(clients=CLIENTS, workers=2, app=app))
     assert [r.round for r in history.rounds] == list(range(1, 9))
     assert history.rounds[-1].accuracy > history.initial_accuracy + 0.3, [r.accuracy for r in history.rounds]
+
+
+def test_label_flippers_train_on_flipped_labels_and_the_others_are_untouched():
+    assert flip_labels(torch.tensor([0, 3, 9]), 10).tolist() == [9, 6, 0]
+    assert flip_labels(np.array([1, 0]), 2).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="integer class labels"):
+        flip_labels(torch.tensor([0.5]), 2)
+    app = AppConfig(attack="label-flip", attackers=0.3, seed=5)
+    task = prepare_task(app.task, app.task_args_json, CLIENTS, alpha=app.alpha, seed=app.seed)
+    model = task.client_model()
+    initial = state_record(model)
+    honest = _train_replies(AppConfig(seed=5), model)
+    attacked = _train_replies(app, model)
+    flippers = attacker_ids(CLIENTS, 0.3, seed=5)
+    for partition in range(CLIENTS):
+        same = all(np.array_equal(honest[partition][n], attacked[partition][n]) for n in honest[partition])
+        assert same == (partition not in flippers), partition
+    # A flipper's reply is exactly an honest training on its partition with every label y -> 9 - y.
+    flipper = min(flippers)
+    features, labels = task.partition(flipper)
+    trained = load_record(task.task.model(), initial)
+    config = TrainConfig(
+        epochs=app.local_epochs,
+        learning_rate=app.learning_rate,
+        batch_size=app.batch_size,
+        seed=local_seed(5, flipper, 0),
+    )
+    task.task.train(trained, (features, flip_labels(labels, 10)), config)
+    expected = record_to_arrays(state_record(trained))[0]
+    for name, value in expected.items():
+        np.testing.assert_allclose(attacked[flipper][name], value, rtol=1e-5, atol=1e-6)
