@@ -111,6 +111,9 @@ class AppConfig:
         ``sparse-*``) and off for ``fedavg`` and ``fedbuff``: on non-IID clients the honest updates of the
         ones the model fits worst are the largest, and a norm test rejects exactly them, round after round
         (on the heterogeneity bench's fleet, 1.8 replies a round, and 1.4 points of final accuracy).
+    max_similarity : float (default: 0.99)
+        ``sparse-*`` strategies: updates whose cosine reaches this are one group (colluders sending one
+        vector), aggregated once (:class:`fedge.server.RobustConfig`); > 1 turns the test off.
     max_failed_rounds : int (default: 3)
         Stop the run after this many rounds in a row without one accepted update (0: never stop).
     target_accuracy : float (default: 0.0)
@@ -179,6 +182,7 @@ class AppConfig:
     ef_momentum: float | None = None
     ef_residual_cap: float = 0.0
     max_norm_ratio: float | None = None
+    max_similarity: float = 0.99
     max_failed_rounds: int = 3
     target_accuracy: float = 0.0
     sim_time_budget_s: float = 0.0
@@ -301,6 +305,7 @@ class AppConfig:
             (0.0 <= self.ef_momentum < 1.0, "ef_momentum must be in [0, 1)"),
             (self.ef_residual_cap >= 0.0, "ef_residual_cap must be >= 0 (0: uncapped)"),
             (self.max_norm_ratio == 0.0 or self.max_norm_ratio > 1.0, "max_norm_ratio must be > 1 (0: off)"),
+            (self.max_similarity > 0.0, "max_similarity must be > 0 (> 1: off)"),
         ]
         for ok, message in checks:
             if not ok:

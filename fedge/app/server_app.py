@@ -125,7 +125,10 @@ def build_strategy(config: AppConfig) -> Strategy:
         return DecodingStrategy(flower, compression)
     if config.strategy in robust_rules:
         return RobustStreamingFedAvg(
-            compression, optimizer, RobustConfig(rule=robust_rules[config.strategy]), **sampling
+            compression,
+            optimizer,
+            RobustConfig(rule=robust_rules[config.strategy], max_similarity=config.max_similarity),
+            **sampling,
         )
     return StreamingFedAvg(compression, optimizer, **sampling)
 

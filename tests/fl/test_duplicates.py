@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fl_helpers import configured_train
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedge.app.config import AppConfig
+from fedge.app.server_app import build_strategy
 from fedge.compression import build_codec
+from fedge.config import ConfigError
 from fedge.protocol.records import UPDATE_KEY, record_to_arrays
 from fedge.server import CompressionConfig, RobustConfig, RobustStreamingFedAvg
 from fedge.server.similarity import duplicate_groups
@@ -87,3 +91,13 @@ def test_colluders_sending_one_update_weigh_as_one_client_and_are_all_counted():
     progress = float(np.dot(moved.ravel(), mean))
     progress_without = float(np.dot(moved_without.ravel(), mean))
     assert progress > 1.5 * progress_without, (progress, progress_without)
+
+
+def test_the_threshold_is_an_app_setting_that_reaches_the_strategy():
+    settings = {"strategy": "sparse-median", "codec": "topk:0.01+int8"}
+    assert build_strategy(AppConfig(**settings)).robust.max_similarity == 0.99
+    off = AppConfig(**settings, max_similarity=2.0)
+    assert build_strategy(off).robust.max_similarity == 2.0
+    assert AppConfig.from_run_config(off.to_run_config()).max_similarity == 2.0
+    with pytest.raises(ConfigError, match="max_similarity must be > 0"):
+        AppConfig(max_similarity=float("nan"))
