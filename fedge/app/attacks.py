@@ -62,6 +62,7 @@ __all__ = [
     "flip_labels",
     "is_attacker",
     "poison",
+    "round_attackers",
 ]
 
 ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "label-flip")
@@ -85,14 +86,19 @@ def attacker_ids(num_partitions: int, fraction: float, seed: int) -> frozenset[i
     return frozenset(int(i) for i in order[:count])
 
 
+def round_attackers(config: Mapping[str, Any], node_config: Mapping[str, Any]) -> frozenset[int]:
+    """The partition ids that attack in the run a train ConfigRecord ``config`` describes, for a node of
+    ``node_config`` (its ``num-partitions``)."""
+    return attacker_ids(
+        int(node_config["num-partitions"]), float(config.get("attackers", 0.0)), int(config.get("seed", 0))
+    )
+
+
 def is_attacker(config: Mapping[str, Any], node_config: Mapping[str, Any], attack: str) -> bool:
     """Whether this node runs ``attack`` in the training round ``config`` (a train ConfigRecord) describes."""
     if str(config.get("attack", "")) != attack:
         return False
-    chosen = attacker_ids(
-        int(node_config["num-partitions"]), float(config.get("attackers", 0.0)), int(config.get("seed", 0))
-    )
-    return int(node_config["partition-id"]) in chosen
+    return int(node_config["partition-id"]) in round_attackers(config, node_config)
 
 
 def flip_labels(labels: Any, num_classes: int) -> Any:
@@ -199,9 +205,7 @@ class AttackMod:
             return call_next(msg, context)
         seed = int(config.get("seed", 0))
         partition = int(context.node_config["partition-id"])
-        chosen = attacker_ids(
-            int(context.node_config["num-partitions"]), float(config.get("attackers", 0.0)), seed
-        )
+        chosen = round_attackers(config, context.node_config)
         if partition not in chosen or attack in DATA_ATTACKS:  # data attacks act in the ClientApp's train
             return call_next(msg, context)
         records = [v for v in msg.content.values() if isinstance(v, ArrayRecord)]
