@@ -291,6 +291,8 @@ class NodeEndpoint(_Endpoint):
         self.epoch = 0
         self._to_outrank = 0  # epoch of a newer LEFT/LOST of ours that our session must beat
         self._renewed_at = float("-inf")
+        self._status_lock = threading.Lock()  # orders our status announcements against close()'s LEFT
+        self._leaving = False
         super().__init__(
             config, config.client_id or f"fedge-{config.fleet}-{node_id}", on_message, self._will
         )
@@ -310,8 +312,12 @@ class NodeEndpoint(_Endpoint):
 
     def close(self) -> None:
         """Announce LEFT (retained), then close."""
-        if self.channel.connection.connected:
-            self._announce(PresenceStatus.LEFT)
+        with self._status_lock:
+            # From here on nothing re-announces ONLINE over our LEFT (a stale record of ours that paho
+            # delivers meanwhile did, and the node never left: seen under load).
+            self._leaving = True
+            if self.channel.connection.connected:
+                self._publish_status(PresenceStatus.LEFT)
         super().close()
 
     def _node_of(self, stream: str) -> str:
@@ -330,6 +336,12 @@ class NodeEndpoint(_Endpoint):
         self._announce(PresenceStatus.ONLINE)
 
     def _announce(self, status: PresenceStatus) -> None:
+        """Publish our status, unless the node is leaving (then only :meth:`close`'s LEFT is published)."""
+        with self._status_lock:
+            if not self._leaving:
+                self._publish_status(status)
+
+    def _publish_status(self, status: PresenceStatus) -> None:
         frame = encode_presence(PresenceFrame(status, self.epoch))
         self.channel.connection.publish(self._presence_topic, frame, retain=True)
 

@@ -13,6 +13,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from fedge.localnet import LinkProfile, LossyLinkProxy, MosquittoBroker
 from fedge.transport import CoordinatorEndpoint, MqttConfig, NodeEndpoint
+from fedge.transport.endpoints import _Endpoint
 from fedge.transport.frames import PresenceFrame, PresenceStatus, encode_presence
 from fedge.transport.presence import EpochClock, PresenceTracker
 
@@ -84,6 +85,38 @@ def test_stale_will_does_not_mark_a_reconnected_node_offline(
         # The node put its retained status back, so a coordinator that starts now sees it online too.
         with CoordinatorEndpoint(replace(config, client_id="late-coordinator")) as late:
             wait_for(lambda: late.online_nodes() == {"n1"}, timeout_s=5)
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_a_stale_record_delivered_while_leaving_does_not_undo_the_left(
+    mosquitto: MosquittoBroker,
+    make_config: Callable[..., MqttConfig],
+    protocol: str,
+    wait_for: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen under load: as a node closed, paho delivered its own old will's record; the node answered it
+    with ONLINE after its LEFT, and stayed online for every coordinator after it had gone."""
+    config = make_config(mosquitto.url, protocol)
+    node = NodeEndpoint(config, "n1")
+    close_endpoint = _Endpoint.close
+
+    def close_with_a_stale_record_meanwhile(endpoint: _Endpoint) -> None:
+        if endpoint is node:  # paho's thread, between our LEFT and the disconnect
+            stale = encode_presence(PresenceFrame(LOST, node.epoch - 1))
+            node._handle_own_presence(node._presence_topic, stale)
+        close_endpoint(endpoint)
+
+    monkeypatch.setattr(_Endpoint, "close", close_with_a_stale_record_meanwhile)
+    with CoordinatorEndpoint(config) as coordinator:
+        node.start()
+        wait_for(lambda: coordinator.online_nodes() == {"n1"})
+        node.close()
+        wait_for(lambda: coordinator.online_nodes() == set())
+    # What the broker keeps is the LEFT: a coordinator that starts now does not see the node online.
+    with CoordinatorEndpoint(replace(config, client_id="late-coordinator")) as late:
+        wait_for(lambda: late.node_status("n1") is not None)
+        assert late.online_nodes() == set()
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
