@@ -31,7 +31,7 @@ _MAX_CACHED = 4096  # distinct headers remembered; an adversary cycling shapes c
 
 # header bytes -> (dtype, shape) as numpy read them; (dtype str, shape) -> the header np.save writes
 _read_headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
-_written_headers: dict[tuple[str, tuple[int, ...]], bytes] = {}
+_written_headers: dict[tuple[str, tuple[int, ...]], tuple[bytes, str]] = {}  # and the dtype's name
 
 
 def array_to_numpy(array: Array) -> np.ndarray:
@@ -54,17 +54,19 @@ def numpy_to_array(values: np.ndarray) -> Array:
     if values.dtype.hasobject or not (values.flags.c_contiguous or not values.flags.f_contiguous):
         return Array(values)  # Fortran-ordered or object arrays: np.save's own path
     key = (values.dtype.str, values.shape)
-    header = _written_headers.get(key)
-    if header is None:
+    written = _written_headers.get(key)
+    if written is None:
         buffer = io.BytesIO()
         np.lib.format.write_array_header_1_0(buffer, np.lib.format.header_data_from_array_1_0(values))
-        header = buffer.getvalue()
-        if len(header) > 65535 + 10:  # version 1.0 cannot hold it: let np.save choose the format
+        written = buffer.getvalue(), str(values.dtype)
+        if len(written[0]) > 65535 + 10:  # version 1.0 cannot hold it: let np.save choose the format
             return Array(values)
         if len(_written_headers) < _MAX_CACHED:
-            _written_headers[key] = header
-    data = header + np.ascontiguousarray(values).tobytes()
-    return Array(dtype=str(values.dtype), shape=tuple(values.shape), stype=_NUMPY_STYPE, data=data)
+            _written_headers[key] = written
+    header, dtype = written
+    # one copy of the values (``header + values.tobytes()`` would make two)
+    data = b"".join((header, np.ascontiguousarray(values).reshape(-1).view(np.uint8)))
+    return Array(dtype, values.shape, _NUMPY_STYPE, data)
 
 
 def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
@@ -74,7 +76,11 @@ def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """An ``ArrayRecord`` of ``arrays``, in their order."""
-    return ArrayRecord({name: numpy_to_array(np.asarray(values)) for name, values in arrays.items()})
+    # Filled item by item: ``ArrayRecord(dict)`` would build every ``Array`` a second time.
+    record = ArrayRecord()
+    for name, values in arrays.items():
+        record[name] = numpy_to_array(np.asarray(values))
+    return record
 
 
 def _header(data: bytes) -> tuple[int, np.dtype, tuple[int, ...]] | None:
