@@ -10,15 +10,15 @@ client's error feedback will send it later.
 :class:`RobustStreamingFedAvg` therefore takes each coordinate's order statistic over the clients that
 actually sent it, scales it to the FedAvg step the same replies would make, and bounds every client's
 influence by clipping its update against the round's median norm. The maths is in
-:class:`RobustConfig`; screening, the counted map, downloads and the server optimizer are
-:class:`fedge.server.StreamingFedAvg`'s.
+:class:`RobustConfig`, the order statistics (pure numpy) in :mod:`fedge.server.robust_rules`; screening,
+the counted map, downloads and the server optimizer are :class:`fedge.server.StreamingFedAvg`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,14 @@ from fedge.compression import CodecError, decode
 from fedge.protocol.records import arrays_to_record
 from fedge.server.channel import CompressionConfig
 from fedge.server.optimizers import ServerOptimizer, statistics
+from fedge.server.robust_rules import (
+    ROBUST_RULES,
+    SparseUpdate,
+    aggregate_counted,
+    aggregate_sparse,
+    agreeing,
+    agreement,
+)
 from fedge.server.screening import Rejected, ScreenedReply
 from fedge.server.similarity import duplicate_groups
 from fedge.server.streaming import StreamingFedAvg
@@ -45,17 +53,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ROBUST_RULES = ("median", "trimmed-mean", "mean")
-
-SparseUpdate = tuple[np.ndarray, np.ndarray]
-"""One client's update as sorted, distinct flat indices into the model and their float32 values."""
-
 REPUTATION_NODES_KEY = "robust/node-ids"
 """``state_dict`` key: int64 node ids of the reputations (aligned with :data:`REPUTATION_VALUES_KEY`)."""
 REPUTATION_VALUES_KEY = "robust/reputation"
 """``state_dict`` key: float64 reputation of each node."""
-
-_BLOCK = 1 << 20  # coordinates whose senders are sorted at once: bounds the sort's temporaries
 
 
 @dataclass(frozen=True)
@@ -161,129 +162,6 @@ class RobustConfig:
             raise ValueError(f"clip_ratio must be > 0 (inf: no clipping), got {self.clip_ratio}")
 
 
-def aggregate_sparse(
-    updates: Sequence[SparseUpdate], size: int, rule: str = "median", trim: float = 0.2
-) -> np.ndarray:
-    """Steps 3–5 of :class:`RobustConfig`: the robust update ``Δ`` of sparse updates, over their senders.
-
-    Parameters
-    ----------
-    updates : sequence of (indices, values)
-        One per client: distinct flat indices in ``[0, size)`` (sorted, for the memory bound; any order
-        is correct) and the float32 values sent there. Clip them first if wanted.
-    size : int
-        Elements of the flattened model.
-    rule : str (default: "median")
-        ``"median"``, ``"trimmed-mean"`` or ``"mean"``.
-    trim : float (default: 0.2)
-        For ``trimmed-mean``: the fraction of each coordinate's senders dropped from each end.
-
-    Returns
-    -------
-    np.ndarray
-        float32 of ``size`` elements: ``(c_j / n) · r_j``, zero where no client sent.
-    """
-    return _aggregate(updates, size, rule, trim)[0]
-
-
-def _aggregate(updates: Sequence[SparseUpdate], size: int, rule: str, trim: float) -> tuple[np.ndarray, int]:
-    """:func:`aggregate_sparse`, and how many distinct coordinates were sent."""
-    if rule not in ROBUST_RULES:
-        raise ValueError(f"robust rule must be one of {', '.join(ROBUST_RULES)}, got {rule!r}")
-    out = np.zeros(size, dtype=np.float32)
-    n, distinct = len(updates), 0
-    if n == 0:
-        return out, 0
-    updates = [_sorted(indices, values) for indices, values in updates]
-    if any(indices.size and (indices[0] < 0 or indices[-1] >= size) for indices, _ in updates):
-        raise ValueError(f"an update sends a coordinate outside [0, {size})")
-    for start in range(0, size, _BLOCK):
-        stop = min(size, start + _BLOCK)
-        bounds = [np.searchsorted(indices, (start, stop)) for indices, _ in updates]
-        idx = np.concatenate([u[0][lo:hi] for u, (lo, hi) in zip(updates, bounds, strict=True)])
-        if not idx.size:
-            continue
-        val = np.concatenate([u[1][lo:hi] for u, (lo, hi) in zip(updates, bounds, strict=True)])
-        coordinates, estimate = _grouped(idx.astype(np.int64, copy=False), val.astype(np.float32), rule, trim)
-        out[coordinates] = estimate / np.float32(n)
-        distinct += coordinates.size
-    return out, distinct
-
-
-def agreement(updates: Sequence[SparseUpdate], size: int) -> np.ndarray:
-    """Step 2 of :class:`RobustConfig`: each update's cosine with the sum of all the others.
-
-    Parameters
-    ----------
-    updates : sequence of (indices, values)
-        Sparse updates (distinct flat indices in ``[0, size)``, float32 values), clipped already.
-    size : int
-        Elements of the flattened model.
-
-    Returns
-    -------
-    np.ndarray
-        float64, one cosine per update in [-1, 1]; 0 where an update or the others' sum is zero.
-    """
-    updates = [_sorted(indices, values) for indices, values in updates]
-    total = np.zeros(size, dtype=np.float64)
-    for indices, values in updates:
-        total[indices] += values  # distinct indices: fancy += is exact
-    total_sq = float(np.dot(total, total))
-    out = np.zeros(len(updates))
-    for i, (indices, values) in enumerate(updates):
-        own = float(np.dot(values.astype(np.float64), values))
-        cross = float(np.dot(values, total[indices]))
-        others_sq = max(0.0, total_sq - 2.0 * cross + own)
-        if own > 0.0 and others_sq > 0.0:
-            out[i] = min(1.0, max(-1.0, (cross - own) / math.sqrt(own * others_sq)))
-    return out
-
-
-def _agreeing(cosines: np.ndarray, reputation: np.ndarray, threshold: float) -> np.ndarray:
-    """Which updates to keep: reputation ≥ ``threshold``, never leaving out more than half of them."""
-    keep = reputation >= threshold
-    most = len(cosines) // 2
-    if int((~keep).sum()) > most:  # too many disagree for the test to mean much: drop only the worst half
-        keep = np.ones(len(cosines), dtype=bool)
-        keep[np.argsort(reputation, kind="stable")[:most]] = False
-    return keep
-
-
-def _sorted(indices: np.ndarray, values: np.ndarray) -> SparseUpdate:
-    """The update with its indices ascending (the decoder's order already; hand-made ones may not be)."""
-    indices, values = np.asarray(indices).reshape(-1), np.asarray(values, dtype=np.float32).reshape(-1)
-    if indices.shape != values.shape:
-        raise ValueError(f"{indices.size} indices but {values.size} values")
-    if indices.size > 1 and not bool(np.all(indices[1:] > indices[:-1])):
-        order = np.argsort(indices, kind="stable")
-        indices, values = indices[order], values[order]
-        if bool(np.any(indices[1:] == indices[:-1])):
-            raise ValueError("an update sends a coordinate twice")
-    return indices, values
-
-
-def _grouped(idx: np.ndarray, val: np.ndarray, rule: str, trim: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per distinct index: ``c_j · r_j`` (the robust value times its sender count)."""
-    if rule == "mean":
-        coordinates, inverse = np.unique(idx, return_inverse=True)
-        sums = np.bincount(inverse, weights=val, minlength=coordinates.size)
-        return coordinates, sums.astype(np.float32)
-    order = np.lexsort((val, idx))  # by coordinate, then by value
-    idx, val = idx[order], val[order]
-    del order
-    starts = np.flatnonzero(np.concatenate(([True], idx[1:] != idx[:-1])))
-    counts = np.diff(np.append(starts, idx.size))
-    if rule == "median":
-        lower, upper = val[starts + (counts - 1) // 2], val[starts + counts // 2]
-        robust = 0.5 * (lower.astype(np.float64) + upper)
-    else:
-        cut = np.floor(trim * counts).astype(np.int64)
-        cumulative = np.concatenate(([0.0], np.cumsum(val, dtype=np.float64)))
-        robust = (cumulative[starts + counts - cut] - cumulative[starts + cut]) / (counts - 2 * cut)
-    return idx[starts], (robust * counts).astype(np.float32)
-
-
 class RobustStreamingFedAvg(StreamingFedAvg):
     """StreamingFedAvg with a sparse-aware robust rule in place of the weighted average.
 
@@ -359,7 +237,7 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         aggregated = [reply for reply, kept in zip(aggregated, keep, strict=True) if kept]
         if not aggregated:
             return None, None
-        delta, sent = _aggregate(updates, size, self.robust.rule, self.robust.trim)
+        delta, sent = aggregate_counted(updates, size, self.robust.rule, self.robust.trim)
         senders = sum(indices.size for indices, _ in updates)
         del updates
         running, offset = {}, 0
@@ -392,7 +270,7 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         if len(updates) < 3:
             return [True] * len(updates)
         scores = np.array([self.reputation[node] for node in nodes])
-        return [bool(k) for k in _agreeing(cosines, scores, robust.min_agreement)]
+        return [bool(k) for k in agreeing(cosines, scores, robust.min_agreement)]
 
     def _sparse(self, reply: ScreenedReply, scale: float) -> SparseUpdate:
         """The reply's nonzeros over the flattened model, times ``scale``: one dense decode at a time."""
