@@ -32,7 +32,10 @@ from fedge.inference.manifest import (
 )
 from fedge.inference.select import (
     Selection,
+    ThreadChoice,
+    ThreadChooser,
     VariantMeasurement,
+    choose_threads,
     measure_latency,
     measure_variants,
     select_variant,
@@ -53,9 +56,12 @@ __all__ = [
     "SessionConfig",
     "SwapResult",
     "TensorSpec",
+    "ThreadChoice",
+    "ThreadChooser",
     "VariantMeasurement",
     "available_cpus",
     "check_model_bytes",
+    "choose_threads",
     "fit_to_shape",
     "make_session",
     "manifest_path",

@@ -7,10 +7,11 @@ It does three things, each on its own thread:
   with an MQTT 5 response topic and correlation data gets its outputs as ``.npy`` on the response topic, with
   the same correlation data and user properties ``status`` (``ok`` / ``error``), ``version`` and, on error,
   ``error``. A bad request is answered with an error and counted; it never stops the agent;
-* **receives models** (:class:`~fedge.transport.artifact_channel.ArtifactSubscriber`'s worker): each new
-  signed version is checked, built and warmed beside the serving session and swapped in by reference
-  (:class:`~fedge.inference.serving.ModelServer`); a refused model leaves the old one serving. Accepted
-  models are written to ``model_dir`` so a restart serves the last model at once;
+* **receives models** (:class:`~fedge.transport.artifact_channel.ArtifactSubscriber`'s worker, driving a
+  :class:`~fedge.inference.installer.ModelInstaller`): each new signed version's variant and thread count
+  are chosen by measuring here, and it is checked, built and warmed beside the serving session and swapped in
+  by reference (:class:`~fedge.inference.serving.ModelServer`); a refused model leaves the old one serving.
+  Accepted models are written to ``model_dir`` so a restart serves the last model at once;
 * **reports** (a timer): a retained JSON status on ``fedge/<fleet>/infer/<node>/status`` with the serving
   version, p50/p95/p99 latency, request and swap counters and the recent swap log; the broker publishes an
   offline status (the last will) if the agent dies.
@@ -21,7 +22,6 @@ paho-mqtt and typer; signed model headers are checked without ``cryptography``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -29,25 +29,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from fedge.atomic import write_bytes_atomic
 from fedge.config import ConfigError
 from fedge.inference.agent_config import InferenceAgentConfig, read_canary
 from fedge.inference.delta_receiver import DeltaReceiver
-from fedge.inference.distribution import DELTA, Choice, VariantCollector, choose_variant, variant_artifact
-from fedge.inference.feeds import manifest_dtype, zeros_input
+from fedge.inference.distribution import DELTA, variant_artifact
+from fedge.inference.installer import MODEL_FILE, ModelInstaller
 from fedge.inference.io import InputError, decode_array, decode_arrays, encode_array, encode_arrays, is_npz
-from fedge.inference.manifest import Manifest, write_manifest
 from fedge.inference.priority import start_at_lower_priority
 from fedge.inference.replicas import ReplicaGroup
 from fedge.inference.serving import ModelServer
 from fedge.transport.artifact_channel import ArtifactSubscriber
-from fedge.transport.artifacts import ArtifactHeader
 from fedge.transport.connection import MessageProperties, MqttConnection, Will
 from fedge.transport.message_chunks import (
     CHUNK_PROPERTY,
@@ -62,9 +56,6 @@ from fedge.transport.topics import Topics
 __all__ = ["InferenceAgent", "InferenceAgentConfig"]
 
 log = logging.getLogger(__name__)
-
-MODEL_FILE = "model.onnx"
-_VARIANTS_WAIT_S = 5.0  # how long a fetch turn waits for the rest of its version's variants
 
 
 class InferenceAgent:
@@ -89,7 +80,6 @@ class InferenceAgent:
         self.canary = read_canary(config.canary_file, config.canary_min_accuracy)
         self.requests = 0
         self.failed_requests: dict[str, int] = {}
-        self.swap_log: deque[dict[str, Any]] = deque(maxlen=64)
         # Large requests arrive in chunks; partial ones are held per requester under its own budget.
         self._partial = MessageAssembler(config.max_request_bytes, max_open=4, expiry_s=60.0)
         self._stop = threading.Event()
@@ -108,8 +98,7 @@ class InferenceAgent:
         # Pure Python: a model version is verified now and then, and cryptography would cost 8 MB resident.
         keys = config.instruction_keys
         verifier = InstructionVerifier(keys, pure_python=True) if keys else None
-        self.collector = VariantCollector(config.variants)
-        self.choice: Choice | None = None
+        self.installer = ModelInstaller(config, self.server, self.group, self.canary, self._publish_status)
         # Models arrive on a connection of their own: reassembling and checking chunks on paho's thread of
         # the request connection would hold up requests.
         self.models_connection = MqttConnection(config.mqtt, f"{config.node_id}-models{suffix}")
@@ -118,12 +107,12 @@ class InferenceAgent:
                 self.models_connection,
                 self.topics,
                 variant_artifact(config.artifact, variant),
-                functools.partial(self._on_variant, variant),
-                on_failed=functools.partial(self._on_failed_variant, variant),
+                functools.partial(self.installer.on_variant, variant),
+                on_failed=functools.partial(self.installer.on_failed_variant, variant),
                 verifier=verifier,
                 max_size=config.max_model_bytes,
                 max_chunk_size=config.mqtt.transfer.max_chunk_size,
-                fetch_turn=self._fetch_turn if self.group.shared else None,
+                fetch_turn=self.installer.fetch_turn if self.group.shared else None,
             )
             for variant in config.variants
         }
@@ -132,7 +121,8 @@ class InferenceAgent:
         if config.accept_deltas:
             full = self.subscribers["fp32"]
             served = Path(config.model_dir) / MODEL_FILE
-            self.deltas = DeltaReceiver(served, config.max_model_bytes, full, self._add_fp32)
+            self.deltas = DeltaReceiver(served, config.max_model_bytes, full, self.installer.add_fp32)
+            self.installer.deltas = self.deltas
             self.subscribers[DELTA] = ArtifactSubscriber(
                 self.models_connection,
                 self.topics,
@@ -142,26 +132,21 @@ class InferenceAgent:
                 verifier=verifier,
                 max_size=config.max_model_bytes,
                 max_chunk_size=config.mqtt.transfer.max_chunk_size,
-                fetch_turn=self._fetch_turn if self.group.shared else None,
+                fetch_turn=self.installer.fetch_turn if self.group.shared else None,
                 on_header=self.deltas.on_header,
             )
-        self._fp32_added: deque[str] = deque(maxlen=16)  # versions whose fp32 reached the collector
-        self._install_lock = threading.Lock()
-        self._turn_taken_at: dict[str, float] = {}  # version -> when this replica asked for its turn
         self.model_work_lowered = False  # whether the model threads run at model_work_nice (set by start)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
         """Load the kept model (if any), connect, and start answering, receiving and reporting."""
-        kept = Path(self.config.model_dir) / MODEL_FILE
-        if kept.is_file():
-            result = self.server.load(kept, canary=self.canary)
-            if result.ok:
-                for subscriber in self.subscribers.values():
-                    subscriber.current_version = result.version
-                log.info("serving kept model %s", result.version)
-            else:
-                log.warning("kept model %s refused: %s", kept, result.message)
+        result = self.installer.load_kept()
+        if result is not None and result.ok:
+            for subscriber in self.subscribers.values():
+                subscriber.current_version = result.version
+            log.info("serving kept model %s", result.version)
+        elif result is not None:
+            log.warning("kept model refused: %s", result.message)
         self.group.serve_requests(self._on_request)
         self.connection.start()
         # With a peer replica serving, this replica's model work (chunks, checks, session builds) runs on
@@ -267,119 +252,16 @@ class InferenceAgent:
         if first:
             log.warning("inference request failed (%s); further ones are counted in the status", reason)
 
-    # -- models (the subscriber's worker) --------------------------------------------------------------
-    def _on_variant(self, variant: str, header: ArtifactHeader, data: bytes, received_at: float) -> None:
-        """One variant of a version arrived (a subscriber's worker thread); install the version once whole."""
-        try:
-            manifest = Manifest.from_dict(header.meta)
-        except (KeyError, TypeError, ValueError) as err:
-            self._log_swap(
-                header.version, variant, False, "manifest", f"malformed manifest: {err}", received_at
-            )
-            return
-        # The fleet knows the model by the artifact's version.
-        self._add_variant(variant, header.version, manifest.with_(version=header.version), data, received_at)
-
-    def _add_fp32(self, version: str, manifest: Manifest, data: bytes, received_at: float) -> None:
-        """The fp32 file rebuilt from a delta (the delta subscriber's worker)."""
-        self._add_variant("fp32", version, manifest, data, received_at)
-
-    def _add_variant(
-        self, variant: str, version: str, manifest: Manifest, data: bytes, received_at: float
-    ) -> None:
-        if variant == "fp32":  # from its delta or in full, whichever came first
-            if version in self._fp32_added:
-                return
-            self._fp32_added.append(version)
-        candidates = self.collector.add(variant, version, data, manifest)
-        if candidates is not None:
-            with self._install_lock:  # one version at a time, whichever subscriber completed it
-                self._install(version, candidates, received_at)
-
-    def _on_failed_variant(self, variant: str, version: str) -> None:
-        """A variant failed its checksum: install the version from the variants that did arrive."""
-        self._log_swap(version, variant, False, "checksum", "bytes do not match the signed header")
-        candidates = self.collector.fail(variant, version)
-        if candidates is not None:
-            with self._install_lock:
-                self._install(version, candidates, time.time())
-
-    @contextlib.contextmanager
-    def _fetch_turn(self, header: ArtifactHeader) -> Iterator[bool]:
-        """With replicas, a version's variants are fetched in this replica's turn, out of the group."""
-        if len(self._turn_taken_at) >= 16:  # versions never installed (a variant lost) are forgotten
-            self._turn_taken_at.pop(next(iter(self._turn_taken_at)))
-        self._turn_taken_at.setdefault(header.version, time.time())
-        with self.group.out_of_group(swap=False) as left:
-            yield left
-            # The version's other variants are on their way (they are published back to back): keep the
-            # turn for them, so the replica leaves and rejoins the request group once per version.
-            self.collector.wait_for_rest(header.version, _VARIANTS_WAIT_S)
-
-    def _install(self, version: str, candidates: dict, received_at: float) -> None:
-        """Choose among the candidates by measuring them here, then swap the chosen one in."""
-        now = time.time()
-        # With replicas the swap began when this replica asked for its turn to fetch the version.
-        times = {"received_at": received_at, "install_at": min(now, self._turn_taken_at.pop(version, now))}
-        with self.group.out_of_group() as left:  # with a live peer replica, no request waits for this work
-            times["swap_started_at"] = time.time()
-            try:
-                choice = choose_variant(
-                    candidates,
-                    self._sample(candidates["fp32"][1]),
-                    batch=self.config.serve_batch,
-                    max_drop_pp=self.config.max_accuracy_drop_pp,
-                    config=self.config.session,
-                )
-            except Exception as err:  # a variant ORT cannot build: fp32 is the reference and the fallback
-                choice = Choice("fp32", f"measuring the variants failed ({type(err).__name__}: {err}); fp32")
-            data, manifest = candidates[choice.variant]
-            result = self.server.swap(data, manifest, version=version, canary=self.canary)
-            times["built_at"] = time.time()
-        if result.ok:
-            self.choice = choice
-            self._keep(data, manifest)
-        self._log_swap(
-            version, choice.variant, result.ok, result.reason, result.message, out_of_group=left, **times
-        )
-        self._publish_status()
-        if result.ok and self.deltas is not None and choice.variant != "fp32":  # the next delta's base
-            self.deltas.keep_base(*candidates["fp32"])
-
-    def _sample(self, manifest: Manifest) -> np.ndarray | dict[str, np.ndarray]:
-        """Inputs to measure variants on: the canary's, or zeros of each input's shape and type."""
-        if self.canary is not None and len(manifest.inputs) == 1:
-            return self.canary.inputs
-        zeros = {spec.name: zeros_input(spec.shape, manifest_dtype(spec.dtype)) for spec in manifest.inputs}
-        return zeros if len(zeros) > 1 else next(iter(zeros.values()))
-
-    def _log_swap(
-        self, version: str, variant: str, ok: bool, reason: str, message: str, **facts: Any
-    ) -> None:
-        """Record a swap (or a refusal) in the status's swap log; ``facts`` are its timestamps and flags."""
-        now = time.time()
-        facts.setdefault("received_at", now)
-        entry = {"version": version, "variant": variant, "ok": ok, "reason": reason, "message": message}
-        self.swap_log.append({**entry, **facts, "swapped_at": now})
-        if not ok:
-            log.warning("model %s (%s) refused: %s", version, variant, message)
-
-    def _keep(self, data: bytes, manifest: Manifest | None) -> None:
-        """Write the accepted model where a restart finds it (atomically: never half a model)."""
-        path = Path(self.config.model_dir) / MODEL_FILE
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_bytes_atomic(path, data)
-            if manifest is not None:
-                write_manifest(path, manifest)
-        except OSError as err:
-            log.warning("cannot keep model in %s: %s", path.parent, err)
+    @property
+    def swap_log(self) -> deque[dict[str, Any]]:
+        """The recent swaps and refusals (the installer's log)."""
+        return self.installer.swap_log
 
     # -- status ----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """The serving status (what the retained status message carries)."""
         stats = self.server.stats()
-        choice = self.choice
+        choice, threads = self.installer.choice, self.installer.threads.last
         return {
             "node_id": self.config.node_id,
             "replica": self.replica,
@@ -394,6 +276,9 @@ class InferenceAgent:
             "requests": self.requests,
             "failed_requests": dict(self.failed_requests),
             "swaps": stats.swaps,
+            "threads": stats.threads,
+            "threads_reason": threads.reason if threads else "",
+            "threads_latency_ms": {str(n): p50 for n, p50 in threads.p50_ms.items()} if threads else {},
             "model_work_nice": self.config.model_work_nice if self.model_work_lowered else 0,
             "failed_swaps": stats.failed_swaps,
             "variant": choice.variant if choice else "",
@@ -405,7 +290,7 @@ class InferenceAgent:
             else {},
             "models": {v: dataclasses.asdict(sub.stats) for v, sub in self.subscribers.items()},
             "deltas": dataclasses.asdict(self.deltas.stats) if self.deltas is not None else {},
-            "swap_log": list(self.swap_log),
+            "swap_log": list(self.installer.swap_log),
             "updated_at": time.time(),
         }
 

@@ -64,6 +64,10 @@ class InferenceAgentConfig:
     accept_deltas : bool, default True
         Rebuild a new version's fp32 file from a weights delta of the version this device holds, when the
         coordinator sends one (:mod:`fedge.inference.delta_receiver`), instead of fetching it in full.
+    choose_threads : bool, default True
+        With ``session.intra_op_threads = 0``: measure each model architecture at ``serve_batch`` with one
+        intra-op thread and with one per CPU, and serve with one unless more are clearly faster
+        (:func:`fedge.inference.select.choose_threads`).
     model_work_nice : int, default 10
         With ``replicas = 2``: the nice value (0-19, Linux) of the threads that receive, check and install
         models, so that the serving replica's requests get the CPU first while the other takes in a model
@@ -89,6 +93,7 @@ class InferenceAgentConfig:
     canary_min_accuracy: float = 0.0
     session: SessionConfig = field(default_factory=SessionConfig)
     accept_deltas: bool = True
+    choose_threads: bool = True
     model_work_nice: int = 10
 
     def __post_init__(self) -> None:

@@ -1,16 +1,23 @@
-"""Choose the variant a device serves by measuring every variant on the device's own CPU.
+"""Choose what a device serves by measuring on the device's own CPU: the variant, and its thread count.
 
-The rule: among the variants whose accuracy is within ``max_drop_pp`` percentage points of fp32, serve the one
-with the lowest median latency at the batch size the device serves; an int8 variant must beat fp32 by
+The variant rule: among the variants whose accuracy is within ``max_drop_pp`` percentage points of fp32, serve
+the one with the lowest median latency at the batch size the device serves; an int8 variant must beat fp32 by
 ``min_gain`` to replace it. fp32 is always a candidate, so an int8 model slower than fp32 on this device is
 never chosen, whatever it gains elsewhere (ORT #20052, #17389, #26564: int8 is slower on some CPUs).
+
+The thread rule (:func:`choose_threads`): one intra-op thread unless the device's full count is faster by
+``min_gain``. A small model at batch 1 spends longer waking its thread pool than computing: the digits CNN
+runs in 16.5 us with one thread against 27.6 us with two on a two-core machine, and one thread leaves the
+other cores to the rest of the device.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +26,18 @@ from fedge.inference.feeds import Feeds, feed_rows, resize_rows, session_feed
 from fedge.inference.io import is_class_scores
 from fedge.inference.session import SessionConfig, make_session
 
-__all__ = ["Selection", "VariantMeasurement", "measure_latency", "measure_variants", "select_variant"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Selection",
+    "ThreadChoice",
+    "ThreadChooser",
+    "VariantMeasurement",
+    "choose_threads",
+    "measure_latency",
+    "measure_variants",
+    "select_variant",
+]
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,119 @@ def select_variant(
             best, best_p50 = m, p50
     reason = f"fastest within the bound at batch {batch}" + (f"; {'; '.join(notes)}" if notes else "")
     return Selection(best.variant, batch, best_p50, reason)
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The intra-op thread count a device serves a model with, and why.
+
+    Attributes
+    ----------
+    threads : int
+        Intra-op threads for the model's sessions.
+    p50_ms : dict
+        Thread count -> median latency (milliseconds) at the batch served; empty when nothing was measured.
+    reason : str
+        Why this count.
+    """
+
+    threads: int
+    p50_ms: dict[int, float] = field(default_factory=dict)
+    reason: str = ""
+
+
+def choose_threads(
+    model: str | Path | bytes,
+    sample: Feeds,
+    *,
+    batch: int = 1,
+    config: SessionConfig | None = None,
+    runs: int = 21,
+    warmup: int = 2,
+    min_gain: float = 0.05,
+) -> ThreadChoice:
+    """Measure ``model`` at ``batch`` with one intra-op thread and with ``config``'s count: which to serve.
+
+    Parameters
+    ----------
+    model : path or bytes
+        The ONNX model (the variant to be served).
+    sample : array or dict of arrays
+        Inputs whose first rows, repeated as needed, form the batch.
+    batch : int (default: 1)
+        The batch size the device serves.
+    config : SessionConfig, optional
+        The device's session settings. A fixed thread count (``intra_op_threads > 0``) is kept unmeasured;
+        the default (0: the CPUs this process may use) is the other candidate.
+    runs, warmup : int
+        Timed and untimed runs per thread count, in three turns taken alternately (as
+        :func:`measure_variants` does, so a burst of load favours neither).
+    min_gain : float (default: 0.05)
+        How much faster (a fraction of one thread's median) more threads must be to be chosen.
+    """
+    config = config or SessionConfig()
+    most = config.threads()
+    if config.intra_op_threads:
+        return ThreadChoice(most, {}, "fixed by the session settings")
+    if most == 1:
+        return ThreadChoice(1, {}, "one CPU")
+    source = model if isinstance(model, bytes) else str(model)
+    sessions = {n: make_session(source, replace(config, intra_op_threads=n)) for n in (1, most)}
+    rows = resize_rows(sample, batch)
+    medians: dict[int, list[float]] = {n: [] for n in sessions}
+    for _ in range(3):
+        for n, session in sessions.items():
+            name = session.get_inputs()[0].name
+            medians[n].append(measure_latency(session, name, rows, runs=max(1, runs // 3), warmup=warmup)[0])
+    p50 = {n: float(np.median(values)) for n, values in medians.items()}
+    if p50[most] < p50[1] * (1 - min_gain):
+        return ThreadChoice(most, p50, f"{most} threads faster at batch {batch}")
+    return ThreadChoice(1, p50, f"one thread as fast at batch {batch} (within {min_gain:.0%})")
+
+
+class ThreadChooser:
+    """Thread counts chosen by :func:`choose_threads`, measured once per model layout.
+
+    Versions of one architecture differ only in their weights, so their thread count is measured with the
+    first and kept (for up to ``max_layouts`` layouts, the oldest forgotten first).
+
+    Parameters
+    ----------
+    config : SessionConfig
+        The device's session settings.
+    batch : int (default: 1)
+        The batch size the device serves.
+    enabled : bool (default: True)
+        Off: every model gets ``config`` as it is.
+    max_layouts : int (default: 8)
+        Layouts whose choice is remembered.
+    """
+
+    def __init__(
+        self, config: SessionConfig, batch: int = 1, *, enabled: bool = True, max_layouts: int = 8
+    ) -> None:
+        self.config, self.batch, self.enabled, self.max_layouts = config, batch, enabled, max_layouts
+        self.last: ThreadChoice | None = None  # the choice of the latest model asked about
+        self._choices: OrderedDict[Hashable, ThreadChoice] = OrderedDict()
+
+    def config_for(self, model: bytes, layout: Hashable, sample: Callable[[], Feeds]) -> SessionConfig:
+        """The session settings for ``model`` (whose ``layout`` names its architecture); ``sample()``
+        gives inputs to measure on, when a measurement is needed. A model ORT cannot build or run gets
+        the device's settings (the swap's own checks then say what is wrong with it)."""
+        if not self.enabled:
+            return self.config
+        choice = self._choices.get(layout)
+        if choice is None:
+            try:
+                choice = choose_threads(model, sample(), batch=self.batch, config=self.config)
+            except Exception as err:  # ORT's own error types: the model is judged by the swap, not here
+                log.info("cannot measure thread counts for this model: %s: %s", type(err).__name__, err)
+                return self.config
+            self._choices[layout] = choice
+            while len(self._choices) > self.max_layouts:
+                self._choices.popitem(last=False)
+        self.last = choice
+        return replace(self.config, intra_op_threads=choice.threads)
 
 
 def _accuracy(session, features: Feeds, labels: np.ndarray, batch: int = 256) -> float | None:

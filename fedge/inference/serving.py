@@ -60,6 +60,7 @@ class LoadedModel:
     input_name: str
     loaded_at: float
     input_types: dict[str, np.dtype] = field(default_factory=dict)  # every graph input's element type
+    threads: int = 0  # the session's intra-op threads
 
     def feed(self, name: str, array: np.ndarray) -> np.ndarray:
         """``array`` in the type input ``name`` declares (:func:`~fedge.inference.feeds.as_input`)."""
@@ -91,6 +92,7 @@ class LatencyStats:
     version: str
     swaps: int = 0
     failed_swaps: dict[str, int] = field(default_factory=dict)
+    threads: int = 0  # the serving session's intra-op threads (0: no model)
 
 
 class ModelServer:
@@ -177,13 +179,13 @@ class ModelServer:
     def stats(self) -> LatencyStats:
         """p50/p95/p99 of the recent requests, with the serving version and swap counters."""
         values = np.asarray(list(self._latencies)) * 1e3
-        version = self._current.version if self._current else ""
+        current = self._current
+        version, threads = (current.version, current.threads) if current else ("", 0)
+        counters = {"swaps": self.swaps, "failed_swaps": dict(self.failed_swaps), "threads": threads}
         if values.size == 0:
-            return LatencyStats(0, 0.0, 0.0, 0.0, version, self.swaps, dict(self.failed_swaps))
+            return LatencyStats(0, 0.0, 0.0, 0.0, version, **counters)
         p50, p95, p99 = np.percentile(values, [50, 95, 99])
-        return LatencyStats(
-            int(values.size), float(p50), float(p95), float(p99), version, self.swaps, dict(self.failed_swaps)
-        )
+        return LatencyStats(int(values.size), float(p50), float(p95), float(p99), version, **counters)
 
     def reset_stats(self) -> None:
         """Forget recorded latencies (e.g. after warm-up)."""
@@ -191,7 +193,12 @@ class ModelServer:
 
     # -- loading and swapping ---------------------------------------------------------------------------
     def load(
-        self, path: str | Path, *, version: str | None = None, canary: Canary | None = None
+        self,
+        path: str | Path,
+        *,
+        version: str | None = None,
+        canary: Canary | None = None,
+        config: SessionConfig | None = None,
     ) -> SwapResult:
         """Load a model file (with its manifest when one lies beside it); same as :meth:`swap`."""
         path = Path(path)
@@ -200,9 +207,8 @@ class ModelServer:
             manifest = read_manifest(path)
         except (OSError, ValueError) as err:
             return self._refuse("load", f"{path}: {err}", 0.0, None)
-        return self.swap(
-            data, manifest, version=version or (manifest.version if manifest else path.stem), canary=canary
-        )
+        version = version or (manifest.version if manifest else path.stem)
+        return self.swap(data, manifest, version=version, canary=canary, config=config)
 
     def swap(
         self,
@@ -211,8 +217,12 @@ class ModelServer:
         *,
         version: str | None = None,
         canary: Canary | None = None,
+        config: SessionConfig | None = None,
     ) -> SwapResult:
         """Build, check and warm a session for ``data`` beside the current one, then switch to it.
+
+        ``config``: this model's session options (e.g. a thread count chosen for it by measurement); the
+        server's own by default.
 
         Any failure (checksum, opset, load, non-finite canary outputs, canary accuracy below its bound)
         keeps the current model and is reported in the result (and counted in :attr:`failed_swaps`); this
@@ -224,7 +234,7 @@ class ModelServer:
             try:
                 check_model_bytes(data, manifest)
                 try:
-                    session = self._builder.submit(make_session, data, self.config).result()
+                    session = self._builder.submit(make_session, data, config or self.config).result()
                 except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
                     raise ModelCheckError("load", f"{type(err).__name__}: {err}") from err
                 inputs = session.get_inputs()
@@ -232,7 +242,8 @@ class ModelServer:
                 accuracy = self._check_canary(session, inputs[0].name, input_types, canary)
             except ModelCheckError as err:
                 return self._refuse(err.reason, str(err), time.perf_counter() - start, version)
-            new = LoadedModel(session, version, manifest, inputs[0].name, time.time(), input_types)
+            threads = (config or self.config).threads()
+            new = LoadedModel(session, version, manifest, inputs[0].name, time.time(), input_types, threads)
             previous = self._current
             self._current = new  # the swap itself: one reference assignment
             self.swaps += 1

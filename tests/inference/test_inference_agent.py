@@ -96,10 +96,20 @@ def test_device_serves_published_model_and_swaps_mid_stream(
         assert status["swaps"] == 2 and status["version"] == "v2"
         assert [entry["version"] for entry in status["swap_log"]] == ["v1", "v2"]
         assert status["latency_ms"]["count"] >= count and status["latency_ms"]["p99"] > 0
+        # The thread count was measured once for the CNN's layout and the serving session has it.
+        options = agent.server.current.session.get_session_options()
+        assert status["threads"] == options.intra_op_num_threads >= 1
+        measured = {int(n): p50 for n, p50 in status["threads_latency_ms"].items()}
+        if len(measured) == 2:  # a machine with more than one CPU: one thread unless more is clearly faster
+            most = max(measured)
+            assert status["threads"] == (most if measured[most] < 0.95 * measured[1] else 1)
 
-    # The retained status says the device went offline; a restart serves the kept model without a download.
+    # The retained status says the device went offline; a restart serves the kept model without a download,
+    # with a thread count chosen for it as well.
     with _agent(mqtt, tmp_path) as again:
         assert again.server.serving_version == "v2"
+        kept_options = again.server.current.session.get_session_options()
+        assert again.status()["threads"] == kept_options.intra_op_num_threads
         # The retained v2 header arrives on subscribing and must not start a transfer.
         wait_until(lambda: again.subscribers["fp32"].stats.headers_seen >= 1)
         status = again.status()

@@ -1,8 +1,19 @@
-"""Variant selection: fastest within the accuracy bound, never an int8 slower than fp32."""
+"""Variant selection (fastest within the accuracy bound, never an int8 slower than fp32) and thread counts."""
 
 import pytest
 
-from fedge.inference import VariantMeasurement, measure_variants, select_variant
+from fedge.inference import (
+    SessionConfig,
+    ThreadChoice,
+    ThreadChooser,
+    VariantMeasurement,
+    available_cpus,
+    choose_threads,
+    make_session,
+    measure_variants,
+    select_variant,
+)
+from fedge.inference import select as select_module
 
 
 def _m(variant, p50, accuracy):
@@ -44,3 +55,52 @@ def test_measured_on_this_cpu(variants, digits_test):
         served = by[chosen.variant].latency_ms[batch][0]
         assert served <= by["fp32"].latency_ms[batch][0]
         assert by[chosen.variant].accuracy >= by["fp32"].accuracy - 0.01
+
+
+def test_threads_are_measured_on_this_cpu(variants, digits_test):
+    path, _ = variants["fp32"]
+    choice = choose_threads(path, digits_test[0], batch=1, runs=9)
+    most = SessionConfig().threads()
+    if most == 1:
+        assert choice == ThreadChoice(1, {}, "one CPU")
+        return
+    assert set(choice.p50_ms) == {1, most} and all(p50 > 0 for p50 in choice.p50_ms.values())
+    # one thread unless the device's count is more than 5 % faster
+    assert choice.threads == (most if choice.p50_ms[most] < 0.95 * choice.p50_ms[1] else 1)
+
+
+def test_a_fixed_thread_count_is_kept_unmeasured(variants, digits_test):
+    path, _ = variants["fp32"]
+    choice = choose_threads(path, digits_test[0], config=SessionConfig(intra_op_threads=3))
+    assert choice == ThreadChoice(3, {}, "fixed by the session settings")
+
+
+def test_the_chooser_measures_each_layout_once_and_falls_back_on_failure(monkeypatch, variants):
+    calls = []
+
+    def measured(model, sample, *, batch, config):
+        calls.append((model, batch))
+        if model == b"broken":
+            raise RuntimeError("ORT cannot load it")
+        return ThreadChoice(1, {1: 0.1, 2: 0.2}, "one thread as fast")
+
+    monkeypatch.setattr(select_module, "choose_threads", measured)
+    device = SessionConfig(intra_op_threads=0)
+    chooser = ThreadChooser(device, batch=4, max_layouts=2)
+    for version in (b"v1", b"v2", b"v3"):  # versions of one architecture: measured with the first only
+        config = chooser.config_for(version, "cnn", lambda: None)
+        assert config.intra_op_threads == 1 and config.memory_arena == device.memory_arena
+    assert calls == [(b"v1", 4)] and chooser.last.reason == "one thread as fast"
+    chooser.config_for(b"w1", "mlp", lambda: None)
+    chooser.config_for(b"z1", "rnn", lambda: None)  # a third layout: the oldest ("cnn") is forgotten
+    chooser.config_for(b"v4", "cnn", lambda: None)
+    assert [model for model, _ in calls] == [b"v1", b"w1", b"z1", b"v4"]
+    assert chooser.config_for(b"broken", "new", lambda: None) is device  # the swap's checks say why
+    assert ThreadChooser(device, enabled=False).config_for(b"v1", "cnn", lambda: None) is device
+
+
+def test_a_session_gets_the_threads_asked_for(variants):
+    path, _ = variants["fp32"]
+    for threads in {1, min(2, available_cpus())}:
+        session = make_session(path, SessionConfig(intra_op_threads=threads))
+        assert session.get_session_options().intra_op_num_threads == threads
