@@ -275,6 +275,7 @@ class ThreadChooser:
             except Exception as err:  # ORT's own error types: the model is judged by the swap, not here
                 log.info("cannot measure thread counts for this model: %s: %s", type(err).__name__, err)
                 return self.config
+            log.info("intra-op threads: %d (%s; p50 ms: %s)", choice.threads, choice.reason, choice.p50_ms)
             self._choices[layout] = choice
             while len(self._choices) > self.max_layouts:
                 self._choices.popitem(last=False)
