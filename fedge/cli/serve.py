@@ -140,8 +140,10 @@ def _print_status(config, timeout: float, as_json: bool) -> None:
             typer.echo(f"{name:<20} offline")
             continue
         lat = info.get("latency_ms", {})
+        threads = info.get("threads", 0)
+        served = f"{info.get('variant') or 'fp32'}, {threads} thread{'s' if threads != 1 else ''}"
         typer.echo(
-            f"{name:<20} model {info.get('version') or '-':<10} p50 {lat.get('p50', 0):.2f} ms  "
+            f"{name:<20} model {info.get('version') or '-':<10} ({served})  p50 {lat.get('p50', 0):.2f} ms  "
             f"p95 {lat.get('p95', 0):.2f} ms  p99 {lat.get('p99', 0):.2f} ms  "
             f"requests {info.get('requests', 0)}  swaps {info.get('swaps', 0)}"
         )

@@ -308,3 +308,44 @@ def test_large_requests_and_answers_travel_in_chunks_and_survive_a_dropped_link(
         future = client.submit("dev-1", x)
         np.testing.assert_allclose(future.result(30).outputs, local.predict(x), atol=1e-5)
         assert agent.connection.connects >= 2 and agent.failed_requests == {}
+
+
+def test_fedge_infer_asks_a_device_and_lists_what_it_serves(
+    mqtt, coordinator, variants, digits_test, tmp_path
+):
+    from typer.testing import CliRunner
+
+    from fedge.cli import app
+
+    publisher = ArtifactPublisher(coordinator, Topics(coordinator.config.fleet), chunk_size=16 * 1024)
+    path, manifest = variants["fp32"]
+    _publish(publisher, path, manifest, "v7")
+    inputs = tmp_path / "x.npy"
+    np.save(inputs, digits_test[0][:5])
+    config = mqtt()
+    where = ["--broker", config.broker_url, "--fleet", config.fleet]
+    with _agent(mqtt, tmp_path, status_every_s=0.2) as agent:
+        wait_until(lambda: agent.server.serving_version == "v7")
+        question = ["infer", *where, "--node", "dev-1", "--input", str(inputs), "--json"]
+        asked = CliRunner().invoke(app, question)
+        assert asked.exit_code == 0, asked.output
+        answer = json.loads(asked.stdout)
+        assert answer["version"] == "v7"
+        expected = ModelServer()
+        expected.load(path)
+        assert answer["predictions"] == expected.classify(digits_test[0][:5]).tolist()
+        wait_until(lambda: agent.status()["latency_ms"]["count"] >= 1)
+        threads = agent.status()["threads"]
+        wait_until(lambda: _listed(where, "model v7 ", f"(fp32, {threads} thread"))
+
+
+def _listed(where: list[str], *texts: str) -> bool:
+    """Whether ``fedge infer --status`` lists dev-1 with every one of ``texts`` in its line."""
+    from typer.testing import CliRunner
+
+    from fedge.cli import app
+
+    listed = CliRunner().invoke(app, ["infer", *where, "--status", "--timeout", "0.5"])
+    assert listed.exit_code == 0, listed.output
+    lines = [line for line in listed.stdout.splitlines() if line.startswith("dev-1")]
+    return any(all(text in line for text in texts) for line in lines)
