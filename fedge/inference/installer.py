@@ -83,7 +83,13 @@ class ModelInstaller:
         kept = Path(self.config.model_dir) / MODEL_FILE
         if not kept.is_file():
             return None
-        return self.server.load(kept, canary=self.canary, config=self._kept_session_config(kept))
+        try:
+            data, manifest = kept.read_bytes(), read_manifest(kept)
+        except (OSError, ValueError):  # the server's load says what is wrong with the file
+            return self.server.load(kept, canary=self.canary)
+        config = self._session_config(data, manifest) if manifest is not None else None
+        version = manifest.version if manifest else kept.stem  # as ModelServer.load names it
+        return self.server.swap(data, manifest, version=version, canary=self.canary, config=config)
 
     def on_variant(self, variant: str, header: ArtifactHeader, data: bytes, received_at: float) -> None:
         """One variant of a version arrived (a subscriber's worker thread); install the version once whole."""
@@ -168,14 +174,6 @@ class ModelInstaller:
         """The session settings for a model: the device's, with the thread count measured for its layout."""
         layout = (len(data), repr(manifest.inputs), repr(manifest.outputs))
         return self.threads.config_for(data, layout, lambda: self._sample(manifest))
-
-    def _kept_session_config(self, path: Path) -> SessionConfig | None:
-        """:meth:`_session_config` for the model kept from an earlier run (None: the server's default)."""
-        try:
-            manifest = read_manifest(path)
-            return self._session_config(path.read_bytes(), manifest) if manifest is not None else None
-        except (OSError, ValueError):  # the load itself reports what is wrong with the file
-            return None
 
     def _sample(self, manifest: Manifest) -> np.ndarray | dict[str, np.ndarray]:
         """Inputs to measure variants on: the canary's, or zeros of each input's shape and type."""
