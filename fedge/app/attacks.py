@@ -172,14 +172,11 @@ def _colluding(
     attack: str, received: dict[str, np.ndarray], group: list[dict[str, np.ndarray]], num_clients: int
 ) -> dict[str, np.ndarray]:
     poisoned = {}
+    z = alie_z(max(num_clients, len(group)), len(group)) if attack == "alie" else 0.0
     for name, start in received.items():
         updates = np.stack([weights[name] - start for weights in group]).astype(np.float64)
         mean = updates.mean(axis=0)
-        if attack == "alie":
-            z = alie_z(max(num_clients, len(group)), len(group))
-            step = mean - z * updates.std(axis=0)
-        else:
-            step = -IPM_EPSILON * mean
+        step = mean - z * updates.std(axis=0) if attack == "alie" else -IPM_EPSILON * mean
         poisoned[name] = (start + step).astype(np.float32)
     return poisoned
 
