@@ -164,17 +164,18 @@ class AgentLauncher:
             agent.terminate()
         deadline = time.monotonic() + timeout_s
         for agent in self._agents:
-            if isinstance(agent, subprocess.Popen):
-                try:
-                    agent.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    agent.kill()
-                    agent.wait()
-            elif not agent.wait(max(0.0, deadline - time.monotonic())):
-                agent.kill()
-                agent.wait(timeout_s)
+            remaining = max(0.0, deadline - time.monotonic())
             if isinstance(agent, ForkedAgent):
+                if not agent.wait(remaining):
+                    agent.kill()
+                    agent.wait(timeout_s)
                 agent.close()
+                continue
+            try:
+                agent.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
         self._agents.clear()
         if self._launcher is not None:
             self._launcher.communicate()  # end of input: the launcher exits
