@@ -177,6 +177,9 @@ class LocalGrid(RunGrid):
         else:
             self._pool = _ThreadPool(client_app, workers)
         self._pending: dict[str, tuple[Message, Future[tuple[bytes, bytes]]]] = {}
+        # replies decoded as they arrive (reply, the node's new Context, the reply's wire size), so the end
+        # of a round, when every worker waits for the next one, is not spent unpickling its replies
+        self._decoded: dict[str, tuple[Message, Context, int]] = {}
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
@@ -201,7 +204,9 @@ class LocalGrid(RunGrid):
                 _, shared, content_size = contents[id(content)]
             self._report_wire(message, message_proto_size(message, content_size=content_size))
             payload, context = _dumps_message(message), _dumps(self.contexts[node_id])
-            self._pending[message_id] = (message, self._pool.submit(payload, context, shared))
+            future = self._pool.submit(payload, context, shared)
+            self._pending[message_id] = (message, future)
+            future.add_done_callback(functools.partial(self._decode, message_id))
             ids.append(message_id)
         return ids
 
@@ -232,17 +237,28 @@ class LocalGrid(RunGrid):
         interrupted run does not wait for a round nobody will aggregate)."""
         self._pool.shutdown(cancel=cancel)
 
+    def _decode(self, message_id: str, future: Future[tuple[bytes, bytes]]) -> None:
+        """Unpickle a finished call's reply and Context when it arrives (while other calls still run)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        reply_bytes, context = future.result()
+        reply = pickle.loads(reply_bytes)
+        self._decoded[message_id] = (reply, pickle.loads(context), wire_size(reply))
+
     def _reply(self, message: Message, future: Future[tuple[bytes, bytes]]) -> Message:
         """The reply of a finished call; the node's Context advances only if the call completed."""
         try:
-            reply_bytes, context = future.result()
+            future.result()
         except Exception as err:  # the worker process died: only this node's call is lost
             partition = self.contexts[message.metadata.dst_node_id].node_config["partition-id"]
             log.warning("partition %s: %s", partition, err)
             reply = error_reply(message, ErrorCode.CLIENT_APP_CRASHED, str(err))
             set_message_id(reply, uuid.uuid4().hex)
             return reply
-        self.contexts[message.metadata.dst_node_id] = pickle.loads(context)
-        reply = pickle.loads(reply_bytes)
-        self._report_wire(reply, wire_size(reply))  # what fedge's MQTT transport sends
+        message_id = message.metadata.message_id
+        if message_id not in self._decoded:  # the done callback failed (it logged why): decode here to raise
+            self._decode(message_id, future)
+        reply, context, size = self._decoded.pop(message_id)
+        self.contexts[message.metadata.dst_node_id] = context
+        self._report_wire(reply, size)  # what fedge's MQTT transport sends
         return reply

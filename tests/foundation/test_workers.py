@@ -164,3 +164,45 @@ def test_a_worker_never_collects_the_parents_garbage(tmp_path):
         gc.enable()
         gc.collect()
     assert record.read_text().split() == [str(os.getpid())]
+
+
+def test_a_call_waiting_behind_one_that_kills_its_worker_runs_on_the_next_worker():
+    """A busy worker is sent its next call early; if the running call kills it, that next call has not begun,
+    so it runs on the replacement instead of failing with it."""
+    pool = WorkerPool(_call, size=1)
+    try:
+        futures = [pool.submit(p, b"") for p in (b"kill", b"x", b"y", b"z")]
+        assert len(pool._workers[0].jobs) == 2  # the killer and the call sent behind it
+        pool.wait(futures, timeout=60)
+        with pytest.raises(WorkerDied, match="killed by signal 9"):
+            futures[0].result()
+        assert [f.result()[0] for f in futures[1:]] == [b"x", b"y", b"z"]
+    finally:
+        pool.shutdown()
+
+
+def test_cancelling_a_call_sent_behind_a_running_one_drops_its_reply():
+    pool = WorkerPool(_call, size=1)
+    try:
+        running, behind, last = (pool.submit(p, b"") for p in (b"sleep0.3", b"q", b"r"))
+        assert [j.future for j in pool._workers[0].jobs] == [running, behind]
+        pool.cancel([behind])
+        pool.wait([running, last], timeout=60)
+        assert behind.cancelled() and running.result()[0] == b"3.0peels" and last.result()[0] == b"r"
+    finally:
+        pool.shutdown()
+
+
+def test_large_calls_are_not_sent_early_and_large_replies_do_not_block_the_pool():
+    """Calls too big to wait in a pipe go to a worker only when it is free (a write to a computing worker
+    would block this process while the other worker waits to hand in its reply), and replies bigger than a
+    pipe still arrive."""
+    pool = WorkerPool(_shared, size=2)
+    big = b"B" * (4 << 20)
+    try:
+        futures = [pool.submit(b"", b"", (f"blob-{i}", big)) for i in range(8)]
+        assert all(len(w.jobs) == 1 for w in pool._workers)
+        pool.wait(futures, timeout=120)
+        assert all(f.result()[0] == big for f in futures)
+    finally:
+        pool.shutdown()
