@@ -159,10 +159,11 @@ class ModelInstaller:
                 choice = Choice("fp32", f"measuring the variants failed ({type(err).__name__}: {err}); fp32")
             data, manifest = candidates[choice.variant]
             result = self.server.swap(data, manifest, version=version, canary=self.canary, config=session)
-            times["built_at"] = time.time()
+            times["swapped_at"] = time.time()  # the new session serves from here (or the old one stays)
         if result.ok:
             self.choice = choice
             self._keep(data, manifest)
+            times["kept_at"] = time.time()
         self._log_swap(
             version, choice.variant, result.ok, result.reason, result.message, out_of_group=left, **times
         )
@@ -188,8 +189,9 @@ class ModelInstaller:
         """Record a swap (or a refusal) in the status's swap log; ``facts`` are its timestamps and flags."""
         now = time.time()
         facts.setdefault("received_at", now)
+        facts.setdefault("swapped_at", now)
         entry = {"version": version, "variant": variant, "ok": ok, "reason": reason, "message": message}
-        self.swap_log.append({**entry, **facts, "swapped_at": now})
+        self.swap_log.append({**entry, **facts, "logged_at": now})
         if not ok:
             log.warning("model %s (%s) refused: %s", version, variant, message)
 

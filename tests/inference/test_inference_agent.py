@@ -97,6 +97,10 @@ def test_device_serves_published_model_and_swaps_mid_stream(
         np.testing.assert_allclose(client.predict("dev-1", x).outputs, local.predict(x), atol=1e-5)
         assert status["swaps"] == 2 and status["version"] == "v2"
         assert [entry["version"] for entry in status["swap_log"]] == ["v1", "v2"]
+        # the new session served from swapped_at; writing it to disk for a restart came after
+        entry = status["swap_log"][-1]
+        assert entry["install_at"] <= entry["swapped_at"] <= entry["kept_at"] <= entry["logged_at"]
+        assert (tmp_path / "dev-1" / "model.onnx").read_bytes() == files[chosen][0]
         assert status["latency_ms"]["count"] >= count and status["latency_ms"]["p99"] > 0
         # The thread count was measured once for the CNN's layout and the serving session has it.
         options = agent.server.current.session.get_session_options()
