@@ -53,6 +53,8 @@ def _init_worker() -> None:
 
 
 _CONTENT = "content"  # the persistent id that stands for a message's content, pickled apart from it
+_DECODED: Future[tuple[bytes, bytes]] = Future()  # stands for a finished call whose reply is decoded
+_DECODED.set_result((b"", b""))
 _content_keys = itertools.count()  # keys of shared contents, unique in this process
 
 
@@ -239,11 +241,14 @@ class LocalGrid(RunGrid):
 
     def _decode(self, message_id: str, future: Future[tuple[bytes, bytes]]) -> None:
         """Unpickle a finished call's reply and Context when it arrives (while other calls still run)."""
-        if future.cancelled() or future.exception() is not None:
-            return
+        entry = self._pending.get(message_id)
+        if entry is None or future.cancelled() or future.exception() is not None:
+            return  # dropped as late (nobody pulls it), or failed: _reply reports the failure
         reply_bytes, context = future.result()
         reply = pickle.loads(reply_bytes)
         self._decoded[message_id] = (reply, pickle.loads(context), wire_size(reply))
+        # The future holds the pickled reply: let it go, or a round's replies would be held twice.
+        self._pending[message_id] = (entry[0], _DECODED)
 
     def _reply(self, message: Message, future: Future[tuple[bytes, bytes]]) -> Message:
         """The reply of a finished call; the node's Context advances only if the call completed."""

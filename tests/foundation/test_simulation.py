@@ -155,6 +155,25 @@ def test_pushed_messages_are_pulled_by_polling():
     assert not any(r.has_error() for r in replies)
 
 
+def test_replies_are_decoded_as_they_arrive_and_held_once():
+    """A finished call's reply is unpickled while other calls run, and its pickle is let go (a round's
+    replies are not held twice); pulling hands over the decoded replies in push order."""
+    grid = LocalGrid(_counting_app(), num_nodes=4, workers=2)
+    set_task_identity(run_id=1)
+    try:
+        content = RecordDict({"arrays": ArrayRecord()})
+        ids = list(grid.push_messages([Message(content, node, "train") for node in grid.get_node_ids()]))
+        futures = [grid._pending[i][1] for i in ids]
+        grid._pool.wait(futures)  # run every call; nothing pulled yet
+        assert sorted(grid._decoded) == sorted(ids)
+        assert all(grid._pending[i][1].result() == (b"", b"") for i in ids)
+        replies = list(grid.pull_messages(ids))
+    finally:
+        grid.shutdown()
+    assert [r.metadata.reply_to_message_id for r in replies] == ids and not grid._decoded
+    assert [r.content["metrics"]["calls"] for r in replies] == [1, 1, 1, 1]
+
+
 def test_a_client_past_the_timeout_is_stopped_and_the_grid_goes_on():
     app = ClientApp()
 
