@@ -167,12 +167,20 @@ class MosquittoBroker:
         self.stop()
 
 
-class _QuietProtocolRefusals(logging.Filter):
-    """amqtt logs a traceback for every MQTT 5 connect it refuses; fedge's clients then fall back to 3.1.1."""
+class _OneLineClientErrors(logging.Filter):
+    """amqtt logs a traceback for every connection it cannot use: say what was wrong in one line instead.
+
+    The MQTT 5 connects it refuses are dropped altogether: fedge's clients then fall back to 3.1.1.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return "Invalid protocol" not in f"{record.getMessage()} {error}"
+        if "Invalid protocol" in f"{record.getMessage()} {error}":
+            return False
+        if error is not None:  # a client's bad bytes are the client's problem, not a broker fault
+            record.msg, record.args = f"{record.getMessage()}: {type(error).__name__}: {error}", None
+            record.exc_info, record.exc_text = None, None
+        return True
 
 
 class EmbeddedBroker:
@@ -208,7 +216,7 @@ class EmbeddedBroker:
         from amqtt.broker import Broker  # optional dependency: fedge[broker]
 
         for name in ("amqtt.broker", "amqtt.mqtt.protocol.broker_handler"):
-            logging.getLogger(name).addFilter(_QuietProtocolRefusals())
+            logging.getLogger(name).addFilter(_OneLineClientErrors())
         broker = Broker(self.config())
         await broker.start()
         if ready is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
+from waiting import wait_until
 
 from fedge.localnet import EmbeddedBroker, LinkProfile, LossyLinkProxy, MosquittoBroker
 from fedge.transport import CoordinatorEndpoint, MqttConfig, NodeEndpoint, Topics, TransferError
@@ -291,3 +293,29 @@ def test_embedded_broker_starts_and_stops_cleanly() -> None:
     broker.stop()
     with pytest.raises(ConnectionError):
         NodeEndpoint(MqttConfig(broker_url=broker.url, fleet="emb", connect_timeout_s=1), "solo").start()
+
+
+def test_embedded_broker_reports_a_malformed_connect_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import socket
+
+    broker = EmbeddedBroker().start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="amqtt"):
+            with socket.create_connection((broker.host, broker.port)) as raw:
+                raw.sendall(b"\x10\xff\xff\xff\xff\x7fgarbage")  # a CONNECT whose length is invalid
+                raw.settimeout(5)
+                with contextlib.suppress(OSError):
+                    raw.recv(1)  # the broker closes the connection
+            wait_until(
+                lambda: any("remaining length" in r.getMessage() for r in caplog.records),
+                10,
+                what="the broker's log line about the malformed connect",
+            )
+        errors = [r for r in caplog.records if "remaining length" in r.getMessage()]
+        assert all(r.exc_info is None and "\n" not in r.getMessage() for r in errors)
+        config = MqttConfig(broker_url=broker.url, fleet="emb")
+        with NodeEndpoint(config, "after") as node:  # the broker still serves well-formed clients
+            assert node.channel.connection.protocol == "3.1.1"
+    finally:
+        broker.stop()
