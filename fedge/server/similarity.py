@@ -59,8 +59,15 @@ def duplicate_groups(updates: Sequence[tuple[np.ndarray, np.ndarray]], threshold
             i = parent[i]
         return i
 
+    norms_exact: dict[int, float] = {}  # each candidate's norm, computed once however many pairs it is in
+
+    def norm(i: int) -> float:
+        if i not in norms_exact:
+            norms_exact[i] = float(np.linalg.norm(updates[i][1].astype(np.float64)))
+        return norms_exact[i]
+
     for i, j in candidates:
-        if _cosine(updates[i], updates[j]) >= threshold:
+        if _cosine(updates[i], updates[j], norm(i) * norm(j)) >= threshold:
             parent[max(root(i), root(j))] = min(root(i), root(j))
     groups: dict[int, list[int]] = {}
     for i in range(n):
@@ -78,9 +85,9 @@ def _sketch(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.bincount(buckets.astype(np.intp), weights=weights, minlength=_BUCKETS)
 
 
-def _cosine(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> float:
+def _cosine(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], norm: float) -> float:
+    """The exact cosine of two sparse updates, ``norm`` the product of their norms."""
     (ia, va), (ib, vb) = a, b
-    norm = float(np.linalg.norm(va.astype(np.float64)) * np.linalg.norm(vb.astype(np.float64)))
     if norm == 0.0:
         return 0.0
     _, at_a, at_b = np.intersect1d(ia, ib, assume_unique=True, return_indices=True)
