@@ -27,9 +27,11 @@ of their group, with per-coordinate mean ``μ`` and standard deviation ``σ``, a
   :data:`IPM_EPSILON`: the colluders' mean, reversed and shrunk so its norm stays below an honest update's,
   to turn the aggregate's inner product with the true gradient negative.
 
-One attack poisons data instead: ``label-flip`` clients train honestly on their partition with every label
-``y`` replaced by ``C − 1 − y`` (``C`` classes, from the task's test labels); their weights are not
-touched afterwards. The reference ClientApp's ``train`` applies it (:func:`flip_labels`).
+Two attacks poison data instead; the reference ClientApp's ``train`` applies them and the weights are not
+touched afterwards. ``label-flip`` clients train honestly on their partition with every label ``y``
+replaced by ``C − 1 − y`` (``C`` classes, from the task's test labels; :func:`flip_labels`); ``backdoor``
+clients with a trigger stamped on half their examples, relabelled as one target class
+(:mod:`fedge.app.backdoor`, whose success the server's evaluation reports as ``backdoor_success``).
 
 Norms and ``D`` run over the floating-point tensors; integer buffers (BatchNorm's ``num_batches_tracked``)
 keep their trained values. Which clients attack is fixed for a run: the first ``round(attackers · N)``
@@ -65,10 +67,10 @@ __all__ = [
     "round_attackers",
 ]
 
-ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "label-flip")
+ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "label-flip", "backdoor")
 COLLUDING = ("alie", "ipm")
 """Attacks whose reply is computed from every attacker's honest update."""
-DATA_ATTACKS = ("label-flip",)
+DATA_ATTACKS = ("label-flip", "backdoor")
 """Attacks on the training data; the trained weights are sent as they are."""
 SCALE_FACTOR = 10.0
 IPM_EPSILON = 0.5

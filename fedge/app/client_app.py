@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import zlib
 from functools import lru_cache
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedge.app.attacks import AttackMod, flip_labels, is_attacker
+from fedge.app.backdoor import plant, trigger_values
 from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
 from fedge.app.weights import load_record, state_record
 from fedge.client.compression_mod import CompressionMod
@@ -45,6 +47,8 @@ def train(msg: Message, context: Context) -> Message:
     features, labels = task.partition(partition_id)
     if is_attacker(config, context.node_config, "label-flip"):  # simulated data poisoning
         labels = flip_labels(labels, _num_classes(task))
+    if is_attacker(config, context.node_config, "backdoor"):
+        features, labels = plant(features, labels, _trigger_values(task), seed=train_config.seed)
     metrics = task.task.train(model, (features, labels), train_config)
     content = RecordDict({"arrays": state_record(model), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
@@ -79,6 +83,12 @@ def _task(config: ConfigRecord, context: Context) -> PreparedTask:
 def _num_classes(task: PreparedTask) -> int:
     """Classes of a classification task, from its test labels (for label flipping), once per task."""
     return int(task.test_set()[1].max()) + 1
+
+
+@lru_cache(maxsize=8)
+def _trigger_values(task: PreparedTask) -> Any:
+    """The backdoor trigger's values for a task (from its test features), once per task."""
+    return trigger_values(task.test_set()[0])
 
 
 def _received_model(task: PreparedTask, msg: Message) -> nn.Module:

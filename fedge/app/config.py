@@ -144,8 +144,9 @@ class AppConfig:
         ``fedbuff``: an update ``τ`` versions old weighs ``(1 + τ)^-staleness_exponent``, >= 0.
     attack : str (default: "")
         Simulated model poisoning by a fraction of the clients (:mod:`fedge.app.attacks`): ``sign-flip``,
-        ``scale`` (×10), ``noise``, the colluding ``alie`` and ``ipm``, or ``label-flip`` (data poisoning);
-        empty: every client is honest.
+        ``scale`` (×10), ``noise``, the colluding ``alie`` and ``ipm``, or the data poisoning ``label-flip``
+        and ``backdoor`` (:mod:`fedge.app.backdoor`; rounds then report ``backdoor_success``); empty: every
+        client is honest.
     attackers : float (default: 0.2)
         Fraction of the clients that attack, in [0, 1]; needs ``attack``.
     export_every : int or None (default: None: 1 for the coordinator service, 0 for simulations)

@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg, Strategy
 
+from fedge.app.backdoor import trigger_values, triggered_test_set
 from fedge.app.config import AppConfig
 from fedge.app.task import checked_evaluation, prepare_task
 from fedge.app.weights import load_record, state_record
@@ -190,9 +191,18 @@ def federated_run(
     model = task.task.model()
     test_set = task.test_set()
 
+    # Under a backdoor attack the rounds also report how often the trigger wins (fedge.app.backdoor).
+    triggered = None
+    if config.attack == "backdoor":
+        triggered = triggered_test_set(*test_set, trigger_values(test_set[0]))
+
     def evaluate(arrays: ArrayRecord) -> Mapping[str, float]:
         load_record(model, arrays)
-        return checked_evaluation(task.task.evaluate(model, test_set), config.task)
+        result = checked_evaluation(task.task.evaluate(model, test_set), config.task)
+        if triggered is not None:
+            backdoor = checked_evaluation(task.task.evaluate(model, triggered), config.task)
+            result["backdoor_success"] = backdoor["accuracy"]
+        return result
 
     every = config.resolved_export_every(export_every)
     exporter = None

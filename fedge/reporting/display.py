@@ -52,9 +52,11 @@ class RoundProgress:
 def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
     """Per-round accuracy, loss, clients and traffic, with totals (and simulated seconds on a fleet)."""
     clocked = any("sim_time_s" in r.extra for r in history.rounds)
+    backdoor = any("backdoor_success" in r.extra for r in history.rounds)
     table = Table(title=title)
     names = ("round", "accuracy", "loss", "clients", "down MB", "up MB", "seconds")
-    for name in names + (("sim s",) if clocked else ()):
+    extras = (("sim s",) if clocked else ()) + (("backdoor",) if backdoor else ())
+    for name in names + extras:
         table.add_column(name, justify="right")
     for r in history.rounds:
         row = [
@@ -66,7 +68,9 @@ def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
             f"{r.bytes_up / 1e6:.2f}",
             f"{r.wall_s:.2f}",
         ]
-        table.add_row(*row, *([f"{r.extra.get('sim_time_s', 0.0):.2f}"] if clocked else []))
+        row += [f"{r.extra.get('sim_time_s', 0.0):.2f}"] if clocked else []
+        row += [f"{100 * r.extra.get('backdoor_success', 0.0):.1f}%"] if backdoor else []
+        table.add_row(*row)
     if history.rounds:
         table.add_section()
         total = [
@@ -79,7 +83,9 @@ def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
             f"{sum(r.wall_s for r in history.rounds):.2f}",
         ]
         clock = history.rounds[-1].extra.get("sim_clock_s", 0.0)
-        table.add_row(*total, *([f"{clock:.2f}"] if clocked else []))
+        total += [f"{clock:.2f}"] if clocked else []
+        total += [f"{100 * history.rounds[-1].extra.get('backdoor_success', 0.0):.1f}%"] if backdoor else []
+        table.add_row(*total)
     return table
 
 

@@ -178,6 +178,7 @@ def run_rounds(
                 timeline=traffic.clock.get("timeline", []),
             )
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
+            metrics.extra.update(_evaluation_extras(result))
             if run.round_extras is not None:
                 metrics.extra.update(run.round_extras())
             history.rounds.append(metrics)
@@ -213,6 +214,16 @@ def run_rounds(
             write_run_outputs(history, run.out_dir)
     failures.check_run(history)
     return history
+
+
+def _evaluation_extras(result: Mapping[str, Any]) -> dict[str, float]:
+    """The central evaluation's figures beyond accuracy and loss (e.g. ``backdoor_success``)."""
+    skip = ("accuracy", "loss", "num-examples")
+    return {
+        k: float(v)
+        for k, v in result.items()
+        if k not in skip and isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 class _StopEarly(Exception):

@@ -213,7 +213,7 @@ def test_strategy_and_attack_settings_are_validated_and_built():
     with pytest.raises(ConfigError, match="unknown strategy 'krum'"):
         AppConfig(strategy="krum")
     with pytest.raises(ConfigError, match="unknown attack"):
-        AppConfig(attack="backdoor")
+        AppConfig(attack="model-replacement")
     with pytest.raises(ConfigError, match="attackers needs attack"):
         AppConfig(attackers=0.3)
     with pytest.raises(ConfigError, match=r"attackers is a fraction"):
