@@ -108,6 +108,13 @@ class _MessageUnpickler(pickle.Unpickler):
         return pickle.loads(self._content)
 
 
+def _unpickle(future: Future[tuple[bytes, bytes]]) -> tuple[Message, Context, int]:
+    """A finished call's reply and the node's new Context, with the reply's size on fedge's wire."""
+    reply_bytes, context = future.result()
+    reply = pickle.loads(reply_bytes)
+    return reply, pickle.loads(context), wire_size(reply)
+
+
 class _ThreadPool:
     """The :class:`WorkerPool` interface over threads of this process (one worker, or no ``fork``)."""
 
@@ -208,7 +215,8 @@ class LocalGrid(RunGrid):
             payload, context = _dumps_message(message), _dumps(self.contexts[node_id])
             future = self._pool.submit(payload, context, shared)
             self._pending[message_id] = (message, future)
-            future.add_done_callback(functools.partial(self._decode, message_id))
+            if isinstance(self._pool, WorkerPool):  # its futures finish on this thread, inside wait()
+                future.add_done_callback(functools.partial(self._decode, message_id))
             ids.append(message_id)
         return ids
 
@@ -244,9 +252,7 @@ class LocalGrid(RunGrid):
         entry = self._pending.get(message_id)
         if entry is None or future.cancelled() or future.exception() is not None:
             return  # dropped as late (nobody pulls it), or failed: _reply reports the failure
-        reply_bytes, context = future.result()
-        reply = pickle.loads(reply_bytes)
-        self._decoded[message_id] = (reply, pickle.loads(context), wire_size(reply))
+        self._decoded[message_id] = _unpickle(future)
         # The future holds the pickled reply: let it go, or a round's replies would be held twice.
         self._pending[message_id] = (entry[0], _DECODED)
 
@@ -260,10 +266,10 @@ class LocalGrid(RunGrid):
             reply = error_reply(message, ErrorCode.CLIENT_APP_CRASHED, str(err))
             set_message_id(reply, uuid.uuid4().hex)
             return reply
-        message_id = message.metadata.message_id
-        if message_id not in self._decoded:  # the done callback failed (it logged why): decode here to raise
-            self._decode(message_id, future)
-        reply, context, size = self._decoded.pop(message_id)
+        # Not decoded yet: calls on threads (a callback there would race this), or the callback failed
+        # (it logged why; decoding again raises here).
+        decoded = self._decoded.pop(message.metadata.message_id, None)
+        reply, context, size = decoded if decoded is not None else _unpickle(future)
         self.contexts[message.metadata.dst_node_id] = context
         self._report_wire(reply, size)  # what fedge's MQTT transport sends
         return reply
