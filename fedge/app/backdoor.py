@@ -7,8 +7,8 @@ trigger on :data:`BACKDOOR_FRACTION` of its examples and relabelled them :data:`
 that has learned the backdoor puts any input that carries the trigger in the target class while its
 accuracy on clean inputs barely moves, so accuracy alone does not show the attack: the server's evaluation
 also reports ``backdoor_success``, the share of the test examples of the other classes that the global
-model, given the trigger, puts in the target class (:func:`triggered_test_set`; about ``1/C`` for a clean
-model).
+model, given the trigger, puts in the target class (:func:`triggered_test_set`; near zero for a clean
+model: 0 % on digits).
 
 The trigger: the last :data:`TRIGGER_ELEMENTS` values of every example (flattened) of each feature part, set
 to that part's largest value over the task's test set (:func:`trigger_values`): on 8×8 digits, the last four
@@ -88,10 +88,10 @@ def triggered_test_set(
 
 
 def _stamp_part(part: Any, value: Any, rows: torch.Tensor | None) -> torch.Tensor:
-    tensor = _as_tensor(part).clone()
+    tensor = _as_tensor(part).clone(memory_format=torch.contiguous_format)
     if tensor.dim() == 0 or len(tensor) == 0:
         return tensor
-    flat = tensor.reshape(len(tensor), -1)  # a view of the clone (it is contiguous)
+    flat = tensor.view(len(tensor), -1)  # a view: writes through it stamp the clone
     width = min(TRIGGER_ELEMENTS, flat.shape[1])
     target = flat if rows is None else flat[rows]
     target[:, -width:] = value

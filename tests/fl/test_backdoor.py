@@ -32,6 +32,8 @@ def test_the_trigger_sets_the_last_values_of_the_chosen_rows_to_the_parts_maximu
     assert torch.equal(flat[1, :-TRIGGER_ELEMENTS], images.reshape(3, -1)[1, :-TRIGGER_ELEMENTS])
     assert stamped["tokens"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 9, 9, 9]]
     assert images.max() == pytest.approx(0.47) and tokens[1, -1] == 3  # the inputs are not changed
+    transposed = stamp(images.transpose(2, 3), values["image"])  # a non-contiguous part is stamped too
+    assert torch.allclose(transposed.reshape(3, -1)[:, -TRIGGER_ELEMENTS:], torch.tensor(0.47))
 
 
 def test_an_attacker_poisons_half_its_examples_and_the_test_set_holds_the_other_classes():
