@@ -178,7 +178,8 @@ def run_rounds(
                 timeline=traffic.clock.get("timeline", []),
             )
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
-            metrics.extra.update(_evaluation_extras(result))
+            for key, value in _evaluation_extras(result).items():  # fedge's own figures keep their names
+                metrics.extra.setdefault(key, value)
             if run.round_extras is not None:
                 metrics.extra.update(run.round_extras())
             history.rounds.append(metrics)

@@ -248,3 +248,11 @@ def test_a_run_ends_when_it_reaches_its_target_accuracy():
     rounds = run_simulation(config).rounds
     assert rounds[-1].accuracy >= 0.5 and all(r.accuracy < 0.5 for r in rounds[:-1])
     assert len(rounds) < 30
+
+
+def test_a_tasks_other_evaluation_figures_are_recorded_with_each_round():
+    """Numbers beyond accuracy and loss go into each round's metrics (the backdoor test runs it end to end)."""
+    from fedge.server.runner import _evaluation_extras
+
+    result = {"accuracy": 0.9, "loss": 0.3, "num-examples": 10.0, "f1": 0.8, "flag": True, "note": "x"}
+    assert _evaluation_extras(result) == {"f1": 0.8}
