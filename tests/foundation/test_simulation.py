@@ -251,7 +251,7 @@ def test_a_run_ends_when_it_reaches_its_target_accuracy():
 
 
 def test_a_tasks_other_evaluation_figures_are_recorded_with_each_round():
-    """Numbers beyond accuracy and loss go into each round's metrics (the backdoor test runs it end to end)."""
+    """Numbers beyond accuracy and loss go into each round's metrics (test_backdoor runs it end to end)."""
     from fedge.server.runner import _evaluation_extras
 
     result = {"accuracy": 0.9, "loss": 0.3, "num-examples": 10.0, "f1": 0.8, "flag": True, "note": "x"}
