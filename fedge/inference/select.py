@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,6 +28,8 @@ from fedge.inference.io import is_class_scores
 from fedge.inference.session import SessionConfig, make_session
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
 
 __all__ = [
     "Selection",
@@ -112,25 +115,13 @@ def measure_variants(
         name: make_session(model if isinstance(model, bytes) else str(model), config)
         for name, model in paths.items()
     }
-    latency: dict[str, dict[int, list[tuple[float, float]]]] = {
-        name: {b: [] for b in batches} for name in paths
-    }
-    rounds = 3
-    for _ in range(rounds):
-        for batch in batches:
-            rows = resize_rows(sample, batch)
-            for name, session in sessions.items():
-                name_in = session.get_inputs()[0].name
-                measured = measure_latency(session, name_in, rows, runs=max(1, runs // rounds), warmup=warmup)
-                latency[name][batch].append(measured)
+    latency = _latency_in_turns(sessions, sample, batches, runs, warmup)
     results = []
     for name, session in sessions.items():
         accuracy = (accuracies or {}).get(name)
         if labelled is not None:
             accuracy = _accuracy(session, *labelled)
-        per_batch = {
-            b: tuple(float(v) for v in np.median(np.asarray(latency[name][b]), axis=0)) for b in batches
-        }
+        per_batch = latency[name]
         model = paths[name]
         size = len(model) if isinstance(model, bytes) else Path(model).stat().st_size
         results.append(VariantMeasurement(name, size, per_batch, accuracy))
@@ -225,13 +216,8 @@ def choose_threads(
         return ThreadChoice(1, {}, "one CPU")
     source = model if isinstance(model, bytes) else str(model)
     sessions = {n: make_session(source, replace(config, intra_op_threads=n)) for n in (1, most)}
-    rows = resize_rows(sample, batch)
-    medians: dict[int, list[float]] = {n: [] for n in sessions}
-    for _ in range(3):
-        for n, session in sessions.items():
-            name = session.get_inputs()[0].name
-            medians[n].append(measure_latency(session, name, rows, runs=max(1, runs // 3), warmup=warmup)[0])
-    p50 = {n: float(np.median(values)) for n, values in medians.items()}
+    latency = _latency_in_turns(sessions, sample, (batch,), runs, warmup)
+    p50 = {n: latency[n][batch][0] for n in sessions}
     if p50[most] < p50[1] * (1 - min_gain):
         return ThreadChoice(most, p50, f"{most} threads faster at batch {batch}")
     return ThreadChoice(1, p50, f"one thread as fast at batch {batch} (within {min_gain:.0%})")
@@ -281,6 +267,27 @@ class ThreadChooser:
                 self._choices.popitem(last=False)
         self.last = choice
         return replace(self.config, intra_op_threads=choice.threads)
+
+
+def _latency_in_turns(
+    sessions: Mapping[K, Any], sample: Feeds, batches: tuple[int, ...], runs: int, warmup: int
+) -> dict[K, dict[int, tuple[float, float]]]:
+    """Each session's ``(p50, p95)`` milliseconds at each batch: the median over three turns, the sessions
+    measured one after another in every turn (``runs // 3`` timed runs each), so a burst of load on the
+    device favours none of them."""
+    turns = 3
+    measured: dict[K, dict[int, list[tuple[float, float]]]] = {k: {b: [] for b in batches} for k in sessions}
+    for _ in range(turns):
+        for batch in batches:
+            rows = resize_rows(sample, batch)
+            for key, session in sessions.items():
+                name = session.get_inputs()[0].name
+                one = measure_latency(session, name, rows, runs=max(1, runs // turns), warmup=warmup)
+                measured[key][batch].append(one)
+    return {
+        key: {b: tuple(float(v) for v in np.median(np.asarray(m[b]), axis=0)) for b in batches}
+        for key, m in measured.items()
+    }
 
 
 def _accuracy(session, features: Feeds, labels: np.ndarray, batch: int = 256) -> float | None:
