@@ -228,13 +228,14 @@ class ModelServer:
         keeps the current model and is reported in the result (and counted in :attr:`failed_swaps`); this
         method does not raise for a bad model.
         """
+        config = config or self.config
         with self._swap_lock:
             start = time.perf_counter()
             version = version or (manifest.version if manifest else sha256_bytes(data)[:12])
             try:
                 check_model_bytes(data, manifest)
                 try:
-                    session = self._builder.submit(make_session, data, config or self.config).result()
+                    session = self._builder.submit(make_session, data, config).result()
                 except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
                     raise ModelCheckError("load", f"{type(err).__name__}: {err}") from err
                 inputs = session.get_inputs()
@@ -242,7 +243,7 @@ class ModelServer:
                 accuracy = self._check_canary(session, inputs[0].name, input_types, canary)
             except ModelCheckError as err:
                 return self._refuse(err.reason, str(err), time.perf_counter() - start, version)
-            threads = (config or self.config).threads()
+            threads = config.threads()
             new = LoadedModel(session, version, manifest, inputs[0].name, time.time(), input_types, threads)
             previous = self._current
             self._current = new  # the swap itself: one reference assignment
