@@ -52,9 +52,10 @@ def trigger_values(features: Features) -> Features:
 
 def stamp(features: Features, values: Features, rows: torch.Tensor | None = None) -> Features:
     """A copy of ``features`` with the trigger on ``rows`` (all rows when None)."""
-    parts = _parts(features)
-    stamped = [_stamp_part(part, value, rows) for part, value in zip(parts, _parts(values), strict=True)]
-    return _rebuild(features, stamped)
+    trigger: list[Any] = []  # each part's value, in the order apply() visits the parts
+    apply(values, trigger.append)
+    value = iter(trigger)
+    return apply(features, lambda part: _stamp_part(part, next(value), rows))
 
 
 def plant(
@@ -109,19 +110,3 @@ def _integer_labels(labels: Any) -> torch.Tensor:
 
 def _as_tensor(part: Any) -> torch.Tensor:
     return part if isinstance(part, torch.Tensor) else torch.as_tensor(np.asarray(part))
-
-
-def _parts(features: Features) -> list[Any]:
-    if isinstance(features, dict):
-        return list(features.values())
-    if isinstance(features, tuple | list):
-        return list(features)
-    return [features]
-
-
-def _rebuild(like: Features, parts: list[Any]) -> Features:
-    if isinstance(like, dict):
-        return dict(zip(like, parts, strict=True))
-    if isinstance(like, tuple | list):
-        return tuple(parts)
-    return parts[0]
