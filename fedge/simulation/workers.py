@@ -186,8 +186,8 @@ class WorkerPool:
                 self._queue.appendleft(job)
                 continue
             worker.jobs.append(job)
-            if len(worker.jobs) == 1:
-                _mark_running(job)
+            if len(worker.jobs) == 1:  # the worker begins it now; one sent behind stays pending until then
+                job.future.set_running_or_notify_cancel()
 
     def _worker_for(self, job: _Job) -> _Worker | None:
         """The worker to send ``job`` to now, or None if it should wait in the queue."""
@@ -218,8 +218,8 @@ class WorkerPool:
                 self._bury(worker)
                 continue
             finished.append((worker.jobs.popleft().future, (reply, context)))
-            if worker.jobs:
-                _mark_running(worker.jobs[0])
+            if worker.jobs:  # a call cancelled while it waited in the pipe stays cancelled
+                worker.jobs[0].future.set_running_or_notify_cancel()
         self._dispatch()  # before the results: their futures' callbacks may take a while
         for future, result in finished:
             if not future.cancelled():
@@ -274,12 +274,6 @@ class WorkerPool:
         if not cause:
             cause = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         running.future.set_exception(WorkerDied(f"the ClientApp's worker process died ({cause})"))
-
-
-def _mark_running(job: _Job) -> None:
-    """The worker has begun ``job`` (a call cancelled while it waited in the pipe stays cancelled)."""
-    if not job.future.running():
-        job.future.set_running_or_notify_cancel()
 
 
 def _frames_bytes(worker: _Worker, job: _Job) -> int:
