@@ -50,6 +50,7 @@ from fedge.transport.message_chunks import (
     parse_chunk,
     split_message,
 )
+from fedge.transport.mqtt_text import is_publish_topic
 from fedge.transport.signing import InstructionVerifier
 from fedge.transport.topics import Topics
 
@@ -202,6 +203,10 @@ class InferenceAgent:
             self.requests += 1
             self._count_failure("no-response-topic")
             return  # nowhere to answer; counted and logged once per kind
+        if not is_publish_topic(props.response_topic):  # a wildcard, a control character: unpublishable
+            self.requests += 1
+            self._count_failure("bad-response-topic")
+            return
         fields = dict(props.user_properties)
         if CHUNK_PROPERTY in fields:  # one chunk of a large request: answer once it is whole
             try:

@@ -23,6 +23,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from fedge.transport.config import MqttConfig
+from fedge.transport.mqtt_text import mqtt_text
 
 __all__ = ["MessageProperties", "MqttConnection", "Will"]
 
@@ -269,8 +270,9 @@ class MqttConnection:
                     properties.ResponseTopic = message_properties.response_topic
                 if message_properties.correlation_data is not None:
                     properties.CorrelationData = message_properties.correlation_data
-                if message_properties.user_properties:
-                    properties.UserProperty = list(message_properties.user_properties)
+                if message_properties.user_properties:  # text from elsewhere (an error) may hold controls
+                    pairs = message_properties.user_properties
+                    properties.UserProperty = [(mqtt_text(key), mqtt_text(value)) for key, value in pairs]
         self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
 
     def close(self) -> None:

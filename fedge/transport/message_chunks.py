@@ -5,7 +5,9 @@ correlation data and carry the user property ``chunk = "<i>/<n>"``. They go at Q
 so a link that drops mid-transfer costs only the chunks that had not been acknowledged: paho re-sends those
 after reconnecting and the broker delivers what it queued for the other side. The receiver keeps each partial
 message under caps that are per sender (bytes and open messages), so one bad or slow sender fills only its own
-budget, and forgets a partial message after ``expiry_s``.
+budget, and forgets a partial message after ``expiry_s``. A sender is whatever the receiver keys it by (an
+inference request's response topic, which the requester chooses), so the bytes of all senders together are
+capped as well: a requester naming a new response topic per request does not multiply its budget.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 __all__ = ["CHUNK_PROPERTY", "ChunkError", "MessageAssembler", "parse_chunk", "split_message"]
 
 _REMEMBER_DONE = 4096
+_CHUNK_OVERHEAD = 256  # bytes a stored chunk is charged beyond its length: empty chunks are not free
 
 CHUNK_PROPERTY = "chunk"
 """The user property naming a chunk: ``"<index>/<count>"``."""
@@ -35,7 +38,7 @@ def split_message(payload: bytes, chunk_size: int) -> list[bytes]:
 def parse_chunk(value: str, max_chunks: int) -> tuple[int, int]:
     """``(index, count)`` from a ``"<i>/<n>"`` property; :class:`ChunkError` if malformed or out of range."""
     index_text, _, count_text = value.partition("/")
-    if not (index_text.isdigit() and count_text.isdigit()):
+    if not (index_text.isascii() and index_text.isdigit() and count_text.isascii() and count_text.isdigit()):
         raise ChunkError(f"chunk property {value[:40]!r} is not <index>/<count>")
     index, count = int(index_text), int(count_text)
     if not 0 <= index < count <= max_chunks:
@@ -47,8 +50,9 @@ def parse_chunk(value: str, max_chunks: int) -> tuple[int, int]:
 class _Partial:
     count: int
     parts: dict[int, bytes] = field(default_factory=dict)
-    size: int = 0
+    size: int = 0  # bytes of its chunks
     started: float = 0.0
+    charged: int = 0  # what it counts against the total: its size plus a fixed charge per chunk
 
 
 class MessageAssembler:
@@ -62,10 +66,18 @@ class MessageAssembler:
         Partial messages one sender may have open at once.
     expiry_s : float, default 60.0
         A partial message not completed within this long is dropped.
+    max_total_bytes : int, optional
+        The most bytes all senders together may hold in partial messages (default: ``4 * max_bytes``, at
+        least 1 MiB); every stored chunk counts its length plus a small fixed charge. A chunk that completes
+        its message is always let in: it frees what the message held.
     """
 
-    def __init__(self, max_bytes: int, *, max_open: int = 4, expiry_s: float = 60.0) -> None:
+    def __init__(
+        self, max_bytes: int, *, max_open: int = 4, expiry_s: float = 60.0, max_total_bytes: int | None = None
+    ) -> None:
         self.max_bytes, self.max_open, self.expiry_s = max_bytes, max_open, expiry_s
+        self.max_total_bytes = max(4 * max_bytes, 1 << 20) if max_total_bytes is None else max_total_bytes
+        self.held_bytes = 0  # charged bytes of every sender's partial messages
         self._open: dict[str, OrderedDict[bytes, _Partial]] = {}
         # Recently completed messages: a duplicate chunk arriving late must not open a new partial message.
         self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
@@ -87,14 +99,21 @@ class MessageAssembler:
         if index in partial.parts:
             return None
         held = sum(p.size for p in messages.values())
+        charge = len(chunk) + _CHUNK_OVERHEAD
         if len(chunk) + held > self.max_bytes:
-            del messages[key]
+            self._drop(messages, key)
             raise ChunkError(f"{sender}'s partial messages would exceed {self.max_bytes} bytes")
+        completes = len(partial.parts) + 1 == count  # it frees what the message holds: always let it in
+        if charge + self.held_bytes > self.max_total_bytes and not completes:
+            self._drop(messages, key)
+            raise ChunkError(f"partial messages of all senders would exceed {self.max_total_bytes} bytes")
         partial.parts[index] = chunk
         partial.size += len(chunk)
+        partial.charged += charge
+        self.held_bytes += charge
         if len(partial.parts) < count:
             return None
-        del messages[key]
+        self._drop(messages, key)
         self._done[(sender, key)] = None
         while len(self._done) > _REMEMBER_DONE:
             self._done.popitem(last=False)
@@ -104,10 +123,14 @@ class MessageAssembler:
         """How many partial messages ``sender`` has open."""
         return len(self._open.get(sender, ()))
 
+    def _drop(self, messages: OrderedDict[bytes, _Partial], key: bytes) -> None:
+        """Forget one partial message and release its bytes."""
+        self.held_bytes -= messages.pop(key).charged
+
     def _expire(self, now: float) -> None:
         for sender, messages in list(self._open.items()):
             for key in [k for k, p in messages.items() if now - p.started > self.expiry_s]:
-                del messages[key]
+                self._drop(messages, key)
                 self.expired += 1
             if not messages:
                 del self._open[sender]

@@ -50,3 +50,32 @@ def test_malformed_chunk_properties_are_refused(value):
 
 def test_well_formed_chunk_property():
     assert parse_chunk("3/7", max_chunks=10) == (3, 7)
+
+
+def test_senders_together_are_capped_and_released_bytes_count_again():
+    # A requester naming a new response topic per request is a new "sender" each time: the total bounds it.
+    assembler = MessageAssembler(max_bytes=1000, max_total_bytes=2400)
+    for n in range(3):
+        assert assembler.add(f"topic-{n}", b"k", 0, 2, b"x" * 500, now=0.0) is None
+    with pytest.raises(ChunkError, match="all senders would exceed 2400 bytes"):
+        assembler.add("topic-3", b"k", 0, 2, b"x" * 500, now=0.0)
+    assert assembler.open_messages("topic-3") == 0  # the refused message is not left open
+    # completing a message releases its bytes for others
+    assert assembler.add("topic-0", b"k", 1, 2, b"y" * 10, now=0.0) == b"x" * 500 + b"y" * 10
+    assert assembler.add("topic-3", b"k", 0, 2, b"x" * 500, now=0.0) is None
+    # and so does expiry: nothing is held once every partial message has expired
+    assembler.add("late", b"k", 0, 2, b"", now=100.0)
+    assert assembler.held_bytes == 256 and assembler.expired == 3
+
+
+def test_empty_chunks_are_not_free():
+    assembler = MessageAssembler(max_bytes=10, max_open=1000, max_total_bytes=256 * 100)
+    for n in range(100):
+        assembler.add("s", str(n).encode(), 0, 2, b"", now=0.0)
+    with pytest.raises(ChunkError, match="all senders"):
+        assembler.add("s", b"one-more", 0, 2, b"", now=0.0)
+
+
+def test_only_ascii_digits_count_as_chunk_numbers():
+    with pytest.raises(ChunkError):
+        parse_chunk("0/\u0663", max_chunks=10)  # ARABIC-INDIC DIGIT THREE passes str.isdigit
