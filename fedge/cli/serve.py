@@ -70,7 +70,9 @@ def infer(
     broker: str = typer.Option("mqtt://127.0.0.1:1883", "--broker", help="Broker URL (MQTT 5)."),
     fleet: str = typer.Option("default", "--fleet", help="The fleet's name."),
     node: str = typer.Option("", "--node", help="The device to ask (with --input)."),
-    input_file: Path | None = typer.Option(None, "--input", help="Inputs: .npy (batch first) or .csv."),
+    input_file: Path | None = typer.Option(
+        None, "--input", help="Inputs: .npy (batch first), .csv (one row per line) or .npz (inputs by name)."
+    ),
     status: bool = typer.Option(False, "--status", help="Show every device's serving status instead."),
     timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the answer."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -86,10 +88,14 @@ def infer(
     if not node or input_file is None:
         raise fail("give --node and --input, or --status")
     from fedge.inference import InputError, read_inputs
+    from fedge.inference.io import read_named_inputs
     from fedge.inference.remote import InferenceClient, InferenceError
+    from fedge.protocol.fleet import validate_name
 
-    try:
-        rows = read_inputs(input_file)
+    with config_errors():
+        validate_name(node, "--node")
+    try:  # an .npz holds a multi-input model's inputs by name; a device fits .csv rows to its model's shape
+        rows = read_named_inputs(input_file) if input_file.suffix == ".npz" else read_inputs(input_file)
     except InputError as err:
         raise fail(str(err)) from None
     try:
@@ -104,6 +110,15 @@ def infer(
     from fedge.inference.io import is_class_scores
 
     outputs = answer.outputs
+    if isinstance(outputs, dict):  # a named request is answered with every output by name
+        if as_json:
+            named = {name: value.tolist() for name, value in outputs.items()}
+            typer.echo(json.dumps({"version": answer.version, "outputs": named}))
+            return
+        typer.echo(f"model {answer.version}:")
+        for name, value in outputs.items():
+            typer.echo(f"  {name}: {np.array2string(value, precision=6, threshold=64)}")
+        return
     classes = outputs.argmax(axis=1).tolist() if is_class_scores(outputs) else None
     if as_json:
         found = {"predictions": classes} if classes is not None else {"outputs": outputs.tolist()}

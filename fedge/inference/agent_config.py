@@ -12,6 +12,7 @@ from fedge.config import ConfigError, check_types, from_table, read_toml
 from fedge.inference.priority import MAX_NICE
 from fedge.inference.serving import Canary
 from fedge.inference.session import SessionConfig
+from fedge.protocol.fleet import is_valid_name
 from fedge.transport.config import MqttConfig
 from fedge.transport.signing import load_public_key
 
@@ -98,6 +99,10 @@ class InferenceAgentConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        if not is_valid_name(self.node_id):  # it names the node's topics
+            raise ConfigError(
+                f"node_id {self.node_id!r} must be 1-64 characters of letters, digits, '_', '.' or '-'"
+            )
         if self.replicas not in (1, 2):
             raise ConfigError(f"replicas must be 1 or 2, got {self.replicas}")
         if "fp32" not in self.variants:

@@ -95,10 +95,10 @@ class ModelInstaller:
         """One variant of a version arrived (a subscriber's worker thread); install the version once whole."""
         try:
             manifest = Manifest.from_dict(header.meta)
-        except (KeyError, TypeError, ValueError) as err:
-            self._log_swap(
-                header.version, variant, False, "manifest", f"malformed manifest: {err}", received_at
-            )
+        except ValueError as err:
+            self.server.count_refusal("manifest")
+            message = f"malformed manifest: {err}"
+            self._log_swap(header.version, variant, False, "manifest", message, received_at=received_at)
             return
         # The fleet knows the model by the artifact's version.
         self._add_variant(variant, header.version, manifest.with_(version=header.version), data, received_at)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import zipfile
 from pathlib import Path
 
@@ -39,15 +40,16 @@ def read_inputs(path: str | Path) -> np.ndarray:
         raise InputError(f"input file {path} does not exist")
     try:
         if path.suffix == ".npy":
-            data = np.load(path, allow_pickle=False)
+            # mapped first: a header claiming more values than the file holds is refused, not allocated
+            data = np.array(np.load(path, mmap_mode="r", allow_pickle=False))
         elif path.suffix in (".csv", ".txt"):
             data = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
         else:
             raise InputError(f"input file {path} must be .npy or .csv")
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, EOFError, MemoryError) as err:
         if isinstance(err, InputError):
             raise
-        raise InputError(f"cannot read {path}: {err}") from None
+        raise InputError(f"cannot read {path}: {_reason(err)}") from None
     if data.ndim == 0 or not _numeric(data):
         raise InputError(f"{path} holds {data.dtype} of shape {data.shape}, not numeric rows")
     return data
@@ -60,10 +62,13 @@ def read_named_inputs(path: str | Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise InputError(f"input file {path} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            named = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as err:
-        raise InputError(f"cannot read {path}: {err}") from None
+        with zipfile.ZipFile(path) as archive:
+            named = {
+                m.filename.removesuffix(".npy"): _npy_from_bytes(archive.read(m), m.filename)
+                for m in archive.infolist()
+            }
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, MemoryError) as err:
+        raise InputError(f"cannot read {path}: {_reason(err)}") from None
     bad = [name for name, array in named.items() if array.ndim == 0 or not _numeric(array)]
     if not named or bad:
         raise InputError(f"{path} must hold numeric arrays with a batch axis; {bad or 'it holds none'}")
@@ -143,9 +148,9 @@ def decode_array(payload: bytes, *, max_bytes: int, max_rows: int) -> np.ndarray
     if len(payload) > max_bytes:
         raise InputError(f"request of {len(payload)} bytes exceeds the cap of {max_bytes}")
     try:
-        array = np.load(io.BytesIO(payload), allow_pickle=False)
-    except (OSError, ValueError, EOFError) as err:
-        raise InputError(f"request is not a .npy array: {err}") from None
+        array = _npy_from_bytes(payload, "request")
+    except ValueError as err:
+        raise InputError(str(err)) from None
     if not isinstance(array, np.ndarray) or array.ndim == 0 or not _numeric(array):
         raise InputError("request must be a numeric array with a batch axis")
     if len(array) > max_rows:
@@ -187,7 +192,7 @@ def decode_arrays(payload: bytes, *, max_bytes: int, max_rows: int) -> dict[str,
             arrays = {}
             for member in members:
                 name = member.filename.removesuffix(".npy")
-                array = np.load(io.BytesIO(archive.read(member)), allow_pickle=False)
+                array = _npy_from_bytes(archive.read(member), f"array {name!r}")
                 if array.ndim == 0 or not _numeric(array):
                     raise InputError(f"array {name!r} is not numeric with a batch axis")
                 if len(array) > max_rows:
@@ -198,6 +203,43 @@ def decode_arrays(payload: bytes, *, max_bytes: int, max_rows: int) -> dict[str,
             raise
         raise InputError(f"request is not a readable .npz archive: {err}") from None
     return arrays
+
+
+def _npy_from_bytes(data: bytes, what: str) -> np.ndarray:
+    """The array in ``.npy`` bytes, its header checked against the bytes first (``np.load`` on a stream
+    allocates whatever the header claims before it reads a value); ValueError names what is wrong."""
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:  # 3.0 only holds structured dtypes with non-Latin-1 field names: never model inputs
+            raise ValueError(f"{what}: .npy format {version[0]}.{version[1]} is not supported")
+    except (ValueError, SyntaxError, TypeError, EOFError) as err:
+        raise ValueError(f"{what} is not a .npy array: {_reason(err)}") from None
+    if dtype.hasobject:
+        raise ValueError(f"{what} holds Python objects (a pickle), which are never loaded")
+    count = math.prod(shape)
+    start = stream.tell()
+    if len(data) - start != count * dtype.itemsize:
+        raise ValueError(
+            f"{what}: its header's shape {tuple(shape)} of {dtype} needs {count * dtype.itemsize} bytes,"
+            f" the data holds {len(data) - start}"
+        )
+    values = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    return values.reshape(shape, order="F" if fortran else "C").copy()
+
+
+def _reason(err: BaseException) -> str:
+    """An exception's message, or its kind when it has none (numpy's EOFError on an empty file)."""
+    text = str(err).strip().splitlines()
+    if not text:
+        return type(err).__name__
+    if text[0].startswith("mmap length is greater"):  # a .npy header claiming more values than its file
+        return "its header's shape needs more bytes than the file holds"
+    return text[0] if len(text[0]) <= 200 else text[0][:200] + "..."
 
 
 def _numeric(array: np.ndarray) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,21 +91,72 @@ class Manifest:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        """Rebuild from :meth:`to_dict` output; unknown keys are an error naming them."""
+    def from_dict(cls, data: Any) -> Manifest:
+        """Rebuild from :meth:`to_dict` output (or a manifest from the network or a file); anything
+        malformed, missing, unknown or of the wrong type is a :class:`ValueError` naming the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"manifest must be a JSON object, not {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"manifest has unknown keys: {', '.join(sorted(unknown))}")
-        specs = {
-            key: tuple(TensorSpec(s["name"], tuple(s["shape"]), s.get("dtype", "float32")) for s in data[key])
-            for key in ("inputs", "outputs")
-        }
+            raise ValueError(f"manifest has unknown keys: {', '.join(sorted(map(str, unknown)))}")
+        missing = [f.name for f in dataclasses.fields(cls) if _required(f) and f.name not in data]
+        if missing:
+            raise ValueError(f"manifest lacks {', '.join(missing)}")
+        for key, kinds in _FIELD_TYPES.items():
+            value = data.get(key)
+            if key in data and not (isinstance(value, kinds) and not isinstance(value, bool)):
+                raise ValueError(f"manifest {key} must be {_KIND_NAMES[key]}, not {type(value).__name__}")
+        if not _SHA256.fullmatch(data["sha256"]):
+            raise ValueError("manifest sha256 must be 64 hex digits")
+        specs = {key: tuple(_tensor_spec(s, key) for s in data[key]) for key in ("inputs", "outputs")}
         return cls(**{**data, **specs})
 
     def with_(self, **changes: Any) -> Manifest:
         """A copy with some fields changed (variants share most of the fp32 manifest)."""
         return dataclasses.replace(self, **changes)
+
+
+_SHA256 = re.compile("[0-9a-fA-F]{64}")
+# each field's JSON types (a bool is never a number here) and how an error names them
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "version": str,
+    "round": int,
+    "sha256": str,
+    "opset": int,
+    "variant": str,
+    "inputs": (list, tuple),
+    "outputs": (list, tuple),
+    "accuracy": (int, float, type(None)),
+    "size_bytes": int,
+    "extra": dict,
+}
+_KIND_NAMES = {
+    **{key: "a string" for key in ("version", "sha256", "variant")},
+    **{key: "an integer" for key in ("round", "opset", "size_bytes")},
+    "inputs": "a list",
+    "outputs": "a list",
+    "accuracy": "a number or null",
+    "extra": "an object",
+}
+
+
+def _required(spec: dataclasses.Field) -> bool:
+    return spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
+
+
+def _tensor_spec(data: Any, key: str) -> TensorSpec:
+    """One entry of ``inputs`` or ``outputs``; ValueError naming what is wrong."""
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        raise ValueError(f"manifest {key} entries must be objects with a string name")
+    shape, dtype = data.get("shape"), data.get("dtype", "float32")
+    if not isinstance(shape, list | tuple) or not all(
+        d is None or isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool)) for d in shape
+    ):
+        raise ValueError(f"manifest {key} {data['name']!r}: shape must be a list of integers, names or nulls")
+    if not isinstance(dtype, str):
+        raise ValueError(f"manifest {key} {data['name']!r}: dtype must be a string")
+    return TensorSpec(data["name"], tuple(shape), dtype)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -135,8 +187,19 @@ def write_manifest(model_path: str | Path, manifest: Manifest) -> Path:
 
 
 def read_manifest(model_path: str | Path) -> Manifest | None:
-    """The manifest beside ``model_path``, or ``None`` when there is none."""
+    """The manifest beside ``model_path``, or ``None`` when there is none.
+
+    Raises
+    ------
+    ValueError
+        The manifest is not JSON or not a valid manifest (the message names the file and the problem).
+    OSError
+        It cannot be read.
+    """
     path = manifest_path(model_path)
     if not path.is_file():
         return None
-    return Manifest.from_dict(json.loads(path.read_text()))
+    try:
+        return Manifest.from_dict(json.loads(path.read_bytes()))
+    except ValueError as err:  # json's errors are ValueErrors too (as is a non-UTF-8 file's)
+        raise ValueError(f"{path.name}: {err}") from None

@@ -22,7 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from fedge.inference.feeds import as_input, onnx_dtype, zeros_input
-from fedge.inference.io import InputError
+from fedge.inference.io import InputError, fit_to_shape
 from fedge.inference.manifest import Manifest, ModelCheckError, read_manifest, sha256_bytes
 from fedge.inference.session import SessionConfig, check_model_bytes, make_session, output_is_finite
 
@@ -61,6 +61,7 @@ class LoadedModel:
     loaded_at: float
     input_types: dict[str, np.dtype] = field(default_factory=dict)  # every graph input's element type
     threads: int = 0  # the session's intra-op threads
+    input_shape: tuple[int | str | None, ...] = ()  # the first input's shape, as the graph declares it
 
     def feed(self, name: str, array: np.ndarray) -> np.ndarray:
         """``array`` in the type input ``name`` declares (:func:`~fedge.inference.feeds.as_input`)."""
@@ -153,6 +154,8 @@ class ModelServer:
         model = self._current  # read once: a concurrent swap does not affect this request
         if model is None:
             raise RuntimeError("no model loaded: call load() or swap() first")
+        if np.ndim(inputs) == 2 and len(model.input_shape) > 2:  # flat rows (a CSV's): the model's shape
+            inputs = fit_to_shape(inputs, list(model.input_shape))
         feed = {model.input_name: model.feed(model.input_name, inputs)}
         start = time.perf_counter()
         out = model.session.run(None, feed)[0]
@@ -239,12 +242,23 @@ class ModelServer:
                 except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
                     raise ModelCheckError("load", f"{type(err).__name__}: {err}") from err
                 inputs = session.get_inputs()
+                if not inputs:
+                    raise ModelCheckError("load", "the model has no inputs")
                 input_types = {i.name: onnx_dtype(i.type) for i in inputs}
                 accuracy = self._check_canary(session, inputs[0].name, input_types, canary)
             except ModelCheckError as err:
                 return self._refuse(err.reason, str(err), time.perf_counter() - start, version)
             threads = config.threads()
-            new = LoadedModel(session, version, manifest, inputs[0].name, time.time(), input_types, threads)
+            new = LoadedModel(
+                session,
+                version,
+                manifest,
+                inputs[0].name,
+                time.time(),
+                input_types,
+                threads,
+                tuple(inputs[0].shape),
+            )
             previous = self._current
             self._current = new  # the swap itself: one reference assignment
             self.swaps += 1
@@ -290,8 +304,12 @@ class ModelServer:
             )
         return accuracy
 
-    def _refuse(self, reason: str, message: str, build_s: float, version: str | None) -> SwapResult:
+    def count_refusal(self, reason: str) -> None:
+        """Count a model refused before it reached :meth:`swap` (a malformed manifest, say)."""
         self.failed_swaps[reason] = self.failed_swaps.get(reason, 0) + 1
+
+    def _refuse(self, reason: str, message: str, build_s: float, version: str | None) -> SwapResult:
+        self.count_refusal(reason)
         previous = self._current.version if self._current else None
         log.warning("model %s refused (%s); still serving %s", version, message, previous)
         return SwapResult(False, previous or "", previous, reason=reason, message=message, build_s=build_s)

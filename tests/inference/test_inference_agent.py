@@ -149,6 +149,15 @@ def test_unsigned_and_corrupt_models_are_refused_and_old_model_keeps_serving(
         assert status["models"]["fp32"]["refused_reasons"] == {"header": 1}
         assert "not signed" in status["models"]["fp32"]["last_error"]
         assert [e["ok"] for e in status["swap_log"]] == [True, False]
+        # Signed, with a manifest whose checksum is a number: refused as a manifest problem, logged, counted
+        meta = {**fp32.with_(version="odd").to_dict(), "sha256": 5, "extra": {"variants": ["fp32"]}}
+        signed.publish("model-fp32", "odd", fp32_path.read_bytes(), meta)
+        wait_until(lambda: len(agent.swap_log) == 3)
+        entry = agent.swap_log[-1]
+        assert (entry["version"], entry["ok"], entry["reason"]) == ("odd", False, "manifest")
+        assert "sha256 must be a string" in entry["message"]
+        assert agent.status()["failed_swaps"].get("manifest", 0) == 1
+        assert client.predict("dev-1", x).version == "good"
 
 
 def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, variants, digits_test, tmp_path):
@@ -161,8 +170,12 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
         future.result(10)
         with pytest.raises(InferenceError, match="exceeds the cap of 16"):
             client.predict("dev-1", np.zeros((17, 1, 8, 8), np.float32))
-        with pytest.raises(InferenceError, match=r"InvalidArgument|Got invalid dimensions|rank"):
+        with pytest.raises(InferenceError, match=r"each input row has 3 values but the model takes 64"):
             client.predict("dev-1", np.zeros((2, 3), np.float32))
+        flat = digits_test[0][:2].reshape(2, -1)  # rows as in a CSV: the device fits its model's shape
+        np.testing.assert_array_equal(
+            client.predict("dev-1", flat).outputs, client.predict("dev-1", digits_test[0][:2]).outputs
+        )
         # ONNX Runtime's message for a wrong inner dimension spans lines; a line break in a user property made
         # Mosquitto drop the agent ("Malformed UTF-8"), so this request went unanswered
         with pytest.raises(InferenceError, match=r"invalid dimensions.*index: 3 Got: 9 Expected: 8"):
@@ -175,8 +188,8 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
         client.connection.publish(request_topic, b"", message_properties=wildcard)  # cannot be answered
         wait_until(lambda: agent.failed_requests.get("bad-response-topic", 0) == 1)
         assert agent.failed_requests == {
-            "bad-request": 1,
-            "inference": 2,
+            "bad-request": 2,
+            "inference": 1,
             "no-response-topic": 1,
             "bad-response-topic": 1,
         }

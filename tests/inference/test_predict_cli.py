@@ -1,12 +1,17 @@
 """``fedge predict``: npy and csv inputs, --out, and bad input that ends in one line."""
 
+import io
 import json
+import shutil
+import zipfile
 
 import numpy as np
+import pytest
 import typer
 from typer.testing import CliRunner
 
 from fedge.cli.predict import predict
+from fedge.inference.manifest import Manifest, manifest_path
 
 app = typer.Typer()
 app.command()(predict)
@@ -95,3 +100,54 @@ def test_raw_gives_a_classifiers_scores(variants, digits_test, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["output_shape"] == [3, 10] and np.asarray(report["outputs"]).shape == (3, 10)
+
+
+def _npy_header(shape: tuple[int, ...]) -> bytes:
+    """A valid ``.npy`` header of float32 values claiming ``shape``."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+def test_hostile_input_files_end_in_one_line(variants, tmp_path):
+    huge = tmp_path / "huge.npy"  # claims 4 TB, holds 40 bytes: must not be allocated
+    huge.write_bytes(_npy_header((10**11, 10)) + bytes(40))
+    empty = tmp_path / "empty.npy"
+    empty.write_bytes(b"")
+    bomb = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(bomb, "w") as archive:
+        archive.writestr("x.npy", _npy_header((10**11, 64)) + bytes(64))
+    model = str(variants["fp32"][0])
+    cases = [
+        (huge, "needs more bytes than the file holds"),
+        (empty, "cannot read"),
+        (bomb, "needs 25600000000000 bytes, the data holds 64"),
+    ]
+    for path, message in cases:
+        result = runner.invoke(app, ["predict", "--model", model, "--input", str(path)])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output
+
+
+def test_malformed_manifests_end_in_one_line(variants, tmp_path):
+    source, manifest = variants["fp32"]
+    good = json.loads(manifest_path(source).read_text())
+    for name, broken in [
+        ("list", [1, 2]),
+        ("no-sha", {k: v for k, v in good.items() if k != "sha256"}),
+        ("sha-int", {**good, "sha256": 5}),
+        ("inputs-int", {**good, "inputs": [1]}),
+        ("not-json", None),
+    ]:
+        model = tmp_path / f"{name}.onnx"
+        shutil.copy(source, model)
+        text = "{not json" if broken is None else json.dumps(broken)
+        manifest_path(model).write_text(text)
+        np.save(tmp_path / "x.npy", np.zeros((1, 1, 8, 8), np.float32))
+        result = runner.invoke(app, ["predict", "--model", str(model), "--input", str(tmp_path / "x.npy")])
+        assert result.exit_code == 2, (name, result.output)
+        assert "manifest" in result.output or "json" in result.output.lower(), (name, result.output)
+        assert "Traceback" not in result.output
+    with pytest.raises(ValueError, match="manifest sha256 must be 64 hex digits"):
+        Manifest.from_dict({**good, "sha256": "zz"})
+    assert Manifest.from_dict(good) == manifest
