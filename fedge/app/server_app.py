@@ -32,6 +32,7 @@ from fedge.server import (
     ReplyScreen,
     RobustConfig,
     RobustStreamingFedAvg,
+    ScreenedStrategy,
     ServerOptimizer,
     StreamingFedAvg,
 )
@@ -40,6 +41,11 @@ from fedge.server.model_export import ModelExporter, RoundExportConfig
 from fedge.server.runner import FederatedRun, ResumePoint, RoundEnd, run_rounds
 
 log = logging.getLogger(__name__)
+
+# Uncompressed replies: a weight (num-examples) over this multiple of the round's median is rejected. Far
+# above the compressed path's 10: FedAvg trusts its clients, and a fleet's honest partitions may differ
+# tens of times in size; a claim of 10^6 times the median is no partition.
+DENSE_MAX_WEIGHT_RATIO = 100.0
 
 __all__ = [
     "app",
@@ -114,8 +120,9 @@ def build_strategy(config: AppConfig) -> Strategy:
         return _fedbuff(config)
     rule = {"median": FedMedian, "trimmed-mean": FedTrimmedAvg}.get(config.strategy, DenseFedAvg)
     flower = rule(**sampling)
-    if not config.codec:
-        return flower
+    if not config.codec:  # malformed, non-finite and absurd replies are rejected, not aggregated
+        max_norm_ratio = config.max_norm_ratio or math.inf
+        return ScreenedStrategy(flower, ReplyScreen(max_norm_ratio, max_weight_ratio=DENSE_MAX_WEIGHT_RATIO))
     compression = _compression(config)
     optimizer = ServerOptimizer(
         config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum
@@ -199,6 +206,7 @@ def federated_run(
     def evaluate(arrays: ArrayRecord) -> Mapping[str, float]:
         load_record(model, arrays)
         result = checked_evaluation(task.task.evaluate(model, test_set), config.task)
+        result.pop("backdoor_success", None)  # fedge's name: only its own measurement below goes by it
         if triggered is not None:
             backdoor = checked_evaluation(task.task.evaluate(model, triggered), config.task)
             result["backdoor_success"] = backdoor["accuracy"]

@@ -9,8 +9,10 @@ header ``np.save`` wrote for each dtype and shape. The bytes are exactly ``np.sa
 so Flower, Ray and older fedge nodes read them as before.
 
 Untrusted bytes are safe here: an unknown header is parsed by numpy (never with pickle), the values must
-fill exactly the shape the header names, and anything unusual (Fortran order, object dtypes, another
-``stype``) falls back to Flower's own :meth:`Array.numpy`, which raises as it always did.
+fill exactly the shape the header names, and anything unusual (object dtypes, padding after the values,
+another ``stype``) falls back to Flower's own :meth:`Array.numpy`, which raises as it always did. Values
+shorter than their header's shape are refused before numpy sees them: reading a stream, ``np.load``
+allocates whatever the header claims first, so a 100-byte reply claiming a terabyte would be allocated.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ _MAGIC = b"\x93NUMPY"
 _MAX_CACHED = 4096  # distinct headers remembered; an adversary cycling shapes costs only speed
 
 # header bytes -> (dtype, shape) as numpy read them; (dtype str, shape) -> the header np.save writes
-_read_headers: dict[bytes, tuple[np.dtype, tuple[int, ...]]] = {}
+_read_headers: dict[bytes, tuple[np.dtype, tuple[int, ...], bool]] = {}
 _written_headers: dict[tuple[str, tuple[int, ...]], tuple[bytes, str]] = {}  # and the dtype's name
 
 
@@ -42,11 +44,17 @@ def array_to_numpy(array: Array) -> np.ndarray:
     layout = _header(data)
     if layout is None:
         return array.numpy()
-    start, dtype, shape = layout
+    start, dtype, shape, fortran = layout
     count = math.prod(shape)
-    if len(data) - start != count * dtype.itemsize:
-        return array.numpy()  # truncated or padded: np.load says what is wrong
-    return np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape)
+    if len(data) - start < count * dtype.itemsize:  # np.load would allocate the claim, then fail
+        raise ValueError(
+            f"array data holds {len(data) - start} bytes, its header's shape {shape} of {dtype} needs"
+            f" {count * dtype.itemsize}"
+        )
+    if len(data) - start > count * dtype.itemsize:
+        return array.numpy()  # padded: np.load reads the values and ignores the rest, as Flower does
+    values = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    return values.reshape(shape[::-1]).T if fortran else values.reshape(shape)
 
 
 def numpy_to_array(values: np.ndarray) -> Array:
@@ -83,8 +91,9 @@ def arrays_to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return record
 
 
-def _header(data: bytes) -> tuple[int, np.dtype, tuple[int, ...]] | None:
-    """Where the values start, and the dtype and shape of a C-ordered ``.npy``; None for anything else."""
+def _header(data: bytes) -> tuple[int, np.dtype, tuple[int, ...], bool] | None:
+    """Where the values start, and the dtype, shape and Fortran order of a ``.npy``; None for anything
+    else (an unknown version, an unreadable header, object dtypes)."""
     if len(data) < 10:
         return None
     major = data[6]
@@ -108,9 +117,9 @@ def _header(data: bytes) -> tuple[int, np.dtype, tuple[int, ...]] | None:
             shape, fortran, dtype = read(io.BytesIO(data[8:end]))
         except (ValueError, SyntaxError, TypeError, OverflowError):
             return None
-        if fortran or dtype.hasobject:
+        if dtype.hasobject:
             return None
-        cached = (dtype, tuple(int(d) for d in shape))
+        cached = (dtype, tuple(int(d) for d in shape), bool(fortran))
         if len(_read_headers) < _MAX_CACHED:
             _read_headers[text] = cached
-    return end, cached[0], cached[1]
+    return end, *cached

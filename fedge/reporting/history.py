@@ -54,7 +54,8 @@ class RoundMetrics:
 
     def to_json(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
-        row.update(row.pop("extra"))
+        extra = row.pop("extra")
+        row.update({key: value for key, value in extra.items() if key not in row})  # the fields keep theirs
         if not row["timeline"]:
             del row["timeline"]
         return row

@@ -4,6 +4,7 @@ from fedge.server.async_runner import FedBuffStrategy
 from fedge.server.budget import UploadBudget
 from fedge.server.channel import CompressedChannel, CompressionConfig, RoundReport
 from fedge.server.decoding import DecodingStrategy
+from fedge.server.dense_screening import ScreenedStrategy
 from fedge.server.downlink import DownlinkConfig, ModelBroadcast
 from fedge.server.fedavg import DenseFedAvg
 from fedge.server.fedbuff import FedBuff
@@ -29,6 +30,7 @@ __all__ = [
     "RoundReport",
     "Schedule",
     "ScheduledGrid",
+    "ScreenedStrategy",
     "ServerOptimizer",
     "StreamingFedAvg",
     "UploadBudget",

@@ -13,6 +13,7 @@ adds its outcome to the round's metrics, ``metrics.json`` is rewritten, and only
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -218,8 +219,9 @@ def run_rounds(
 
 
 def _evaluation_extras(result: Mapping[str, Any]) -> dict[str, float]:
-    """The central evaluation's figures beyond accuracy and loss (e.g. ``backdoor_success``)."""
-    skip = ("accuracy", "loss", "num-examples")
+    """The central evaluation's figures beyond accuracy and loss (e.g. ``backdoor_success``); a name a
+    round's own fields use (``round``, ``bytes_up``, ...) is not the task's to set."""
+    skip = {"accuracy", "loss", "num-examples", *(f.name for f in dataclasses.fields(RoundMetrics))}
     return {
         k: float(v)
         for k, v in result.items()
@@ -253,8 +255,8 @@ class _FailureWatch:
             self.in_a_row = 0
             return
         self.in_a_row += 1
-        self.first_error = self.first_error or first_error
-        cause = _last_line(first_error) or "no client replied in time"
+        self.first_error = self.first_error or first_error or _rejections(metrics)
+        cause = _last_line(first_error) or _rejections(metrics) or "no client replied in time"
         log.warning(
             "round %d: none of the %d sampled clients' updates was accepted; first: %s",
             metrics.round,
@@ -272,6 +274,18 @@ class _FailureWatch:
         if history.rounds and all(not r.extra.get("accepted", r.clients_replied) for r in history.rounds):
             cause = _last_line(self.first_error) or "no client replied in time"
             raise RunFailed(f"no client update was accepted in any round; first: {cause}")
+
+
+def _rejections(metrics: RoundMetrics) -> str:
+    """The round's rejected replies by reason ("rejected by screening: bad_weight x4"), or "" if none."""
+    counts = {
+        key.removeprefix("rejected_"): int(value)
+        for key, value in metrics.extra.items()
+        if key.startswith("rejected_") and value
+    }
+    if not counts:
+        return ""
+    return "rejected by screening: " + ", ".join(f"{reason} x{n}" for reason, n in sorted(counts.items()))
 
 
 def _last_line(text: str) -> str:

@@ -14,6 +14,9 @@ A reply is rejected, never fatal, when it
 
 Checking a reply decodes it once, densely, to measure its norm; only the norm is kept, so screening
 all replies costs one decoded reply of memory at a time.
+
+Uncompressed replies (the model itself, Flower's FedAvg reply) go through :func:`screen_dense_reply`: the
+same reasons, with the update measured as the reply's model minus the round's global model.
 """
 
 from __future__ import annotations
@@ -23,12 +26,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedge.compression import CodecError, NonFiniteValueError, Schema, decode, is_bound, unbind
+from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.records import UPDATE_KEY
 
-__all__ = ["REJECTION_REASONS", "Rejected", "ReplyScreen", "ScreenedReply", "ratio_outliers", "screen_reply"]
+__all__ = [
+    "REJECTION_REASONS",
+    "DenseReply",
+    "Rejected",
+    "ReplyScreen",
+    "ScreenedReply",
+    "ratio_outliers",
+    "screen_dense_reply",
+    "screen_reply",
+]
 
 REJECTION_REASONS = (
     "no_update",
@@ -143,6 +156,56 @@ def screen_reply(
     if not math.isfinite(norm):
         raise Rejected("non_finite", "the update's norm overflows")
     return ScreenedReply(node_id, payload, weight, norm, content)
+
+
+@dataclass(frozen=True)
+class DenseReply:
+    """An uncompressed reply that passed the per-reply checks: its one ArrayRecord (by its key in the
+    content), its weight and the norm of its update against the global model."""
+
+    arrays_key: str
+    weight: float
+    norm: float
+
+
+def screen_dense_reply(
+    content: RecordDict, *, model: Mapping[str, np.ndarray], weighted_by_key: str
+) -> DenseReply:
+    """Check one uncompressed reply against the round's global ``model``; raise :class:`Rejected` naming
+    what is wrong: not exactly one ArrayRecord (``no_update``), no usable weight, unreadable arrays,
+    other tensor names or shapes than the model's or values that are not real numbers (``wrong_tensors``),
+    NaN or infinity (``non_finite``)."""
+    records = [(key, record) for key, record in content.items() if isinstance(record, ArrayRecord)]
+    if len(records) != 1:
+        raise Rejected("no_update", f"expected one ArrayRecord of model weights, found {len(records)}")
+    weight = _weight(content, weighted_by_key)
+    key, record = records[0]
+    if record.keys() != model.keys():
+        missing, extra = sorted(model.keys() - record.keys())[:3], sorted(record.keys() - model.keys())[:3]
+        raise Rejected("wrong_tensors", f"missing {missing}, unexpected {extra}")
+    squares = 0.0
+    for name, array in record.items():
+        try:
+            values = array_to_numpy(array)
+        except Exception as err:  # Flower's Array.numpy raises what numpy raises
+            raise Rejected("undecodable", f"tensor {name!r}: {err}") from None
+        reference = model[name]
+        # any real numbers: an average of integer buffers (BatchNorm's count) comes back as floats
+        if values.shape != reference.shape or values.dtype.kind not in "biuf":
+            raise Rejected(
+                "wrong_tensors",
+                f"tensor {name!r} is {values.dtype}{list(values.shape)}, the model's "
+                f"{reference.dtype}{list(reference.shape)}",
+            )
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise Rejected("non_finite", f"tensor {name!r} holds NaN or infinity")
+        if values.dtype.kind == "f":
+            step = values.astype(np.float64).reshape(-1) - reference.astype(np.float64).reshape(-1)
+            squares += float(np.dot(step, step))
+    norm = math.sqrt(squares)
+    if not math.isfinite(norm):
+        raise Rejected("non_finite", "the update's norm overflows")
+    return DenseReply(key, weight, norm)
 
 
 def _weight(content: RecordDict, key: str) -> float:

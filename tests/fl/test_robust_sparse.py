@@ -24,6 +24,7 @@ from fedge.server import (
     ReplyScreen,
     RobustConfig,
     RobustStreamingFedAvg,
+    ScreenedStrategy,
     StreamingFedAvg,
 )
 from fedge.server.robust import aggregate_sparse, agreement
@@ -219,9 +220,10 @@ def test_strategy_and_attack_settings_are_validated_and_built():
     with pytest.raises(ConfigError, match=r"attackers is a fraction"):
         AppConfig(attack="noise", attackers=1.5)
     sparse = {"codec": "topk:0.01+int8"}
-    assert type(build_strategy(AppConfig(strategy="median"))) is FedMedian
-    assert type(build_strategy(AppConfig(strategy="trimmed-mean"))) is FedTrimmedAvg
-    assert type(build_strategy(AppConfig())) is DenseFedAvg  # Flower's FedAvg, read faster
+    # uncompressed: Flower's rules (FedAvg read faster) behind fedge's screening of dense replies
+    for config, rule in [("median", FedMedian), ("trimmed-mean", FedTrimmedAvg), ("fedavg", DenseFedAvg)]:
+        screened = build_strategy(AppConfig(strategy=config))
+        assert isinstance(screened, ScreenedStrategy) and type(screened.strategy) is rule
     wrapped = build_strategy(AppConfig(strategy="median", **sparse))
     assert isinstance(wrapped, DecodingStrategy) and isinstance(wrapped.strategy, FedMedian)
     robust = build_strategy(AppConfig(strategy="sparse-trimmed-mean", **sparse))

@@ -1,5 +1,7 @@
 """fedge.protocol.arrays reads and writes exactly what Flower's Array does, and falls back on anything odd."""
 
+import io
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
@@ -64,6 +66,14 @@ def test_bad_bytes_fail_as_flower_fails():
                 array_to_numpy(array)
         else:
             np.testing.assert_array_equal(array_to_numpy(array), expected)
+
+
+def test_a_header_claiming_more_values_than_sent_is_refused_before_allocation():
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**12,)})
+    array = Array(dtype="float32", shape=(4,), stype="numpy.ndarray", data=header.getvalue() + bytes(16))
+    with pytest.raises(ValueError, match="holds 16 bytes, its header's shape"):  # np.load: 4 TB, then fails
+        array_to_numpy(array)
 
 
 def test_weighted_average_is_bit_identical_to_flowers():

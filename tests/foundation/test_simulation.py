@@ -252,7 +252,12 @@ def test_a_run_ends_when_it_reaches_its_target_accuracy():
 
 def test_a_tasks_other_evaluation_figures_are_recorded_with_each_round():
     """Numbers beyond accuracy and loss go into each round's metrics (test_backdoor runs it end to end)."""
+    from fedge.reporting.history import RoundMetrics
     from fedge.server.runner import _evaluation_extras
 
     result = {"accuracy": 0.9, "loss": 0.3, "num-examples": 10.0, "f1": 0.8, "flag": True, "note": "x"}
     assert _evaluation_extras(result) == {"f1": 0.8}
+    # a round's own fields are not the task's to set, neither through evaluate() nor in metrics.json
+    assert _evaluation_extras({**result, "round": 99, "bytes_up": -1, "clients_replied": 1234}) == {"f1": 0.8}
+    row = RoundMetrics(3, 0.9, 0.3, 4, 4, 10, 20, 1.0, extra={"round": 99.0, "f1": 0.8}).to_json()
+    assert row["round"] == 3 and row["f1"] == 0.8

@@ -1,0 +1,203 @@
+"""Screening uncompressed replies before a Flower strategy aggregates them.
+
+Flower's ``FedAvg``, ``FedMedian`` and ``FedTrimmedAvg`` check only that replies are consistent with each
+other, and raise when they are not: one node whose reply had an extra tensor, other metric names or no
+weights ended the whole run (``InconsistentMessageReplies``), one that sent NaN made the global model NaN
+for good, and one that claimed 10^30 examples set the average alone. :class:`ScreenedStrategy` gives the
+uncompressed path what the compressed one has (:mod:`fedge.server.screening`): each reply is checked
+against the round's global model, and a bad one is rejected, logged and counted (``rejected_<reason>`` in
+the round's metrics) while the round goes on with the others. What it checks:
+
+* exactly one ArrayRecord with the model's tensor names, shapes and dtypes, readable, finite values;
+* one MetricRecord whose weight (``num-examples``) is a positive finite number;
+* no update norm (reply minus global model) above ``max_norm_ratio`` times the round's median, and no
+  weight above ``max_weight_ratio`` times the median (:class:`~fedge.server.screening.ReplyScreen`).
+
+Replies that pass reach the wrapped strategy in the shape Flower's checks want: their ArrayRecord and
+MetricRecord under the names the first accepted reply used, and only the metric names every accepted reply
+has (a node cannot make the round fail by adding or leaving out a metric).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedge.protocol.arrays import array_to_numpy
+from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
+from fedge.server.screening import (
+    REJECTION_REASONS,
+    DenseReply,
+    Rejected,
+    ReplyScreen,
+    ratio_outliers,
+    screen_dense_reply,
+)
+
+__all__ = ["ScreenedStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class ScreenedStrategy(Strategy):
+    """Reject malformed or outlying uncompressed replies before ``strategy`` aggregates the rest.
+
+    Parameters
+    ----------
+    strategy : Strategy
+        The Flower strategy that aggregates the accepted replies (FedAvg, FedMedian, ...).
+    screen : ReplyScreen, optional
+        The outlier tests' thresholds (default: :class:`ReplyScreen`'s).
+    weighted_by_key : str (default: "num-examples")
+        MetricRecord key of each reply's weight.
+    """
+
+    def __init__(
+        self, strategy: Strategy, screen: ReplyScreen | None = None, weighted_by_key: str = "num-examples"
+    ) -> None:
+        self.strategy = strategy
+        self.screen = screen or ReplyScreen()
+        self.weighted_by_key = weighted_by_key
+        self._model: dict[str, np.ndarray] = {}
+        self._reports: dict[int, tuple[int, Counter[str]]] = {}  # round -> (accepted, rejected by reason)
+        self.counted: dict[int, int] = {}  # node -> last round whose update reached the model
+
+    def __repr__(self) -> str:
+        return f"ScreenedStrategy({self.strategy!r})"
+
+    def summary(self) -> None:
+        """Log the wrapper's and the wrapped strategy's configuration."""
+        log.info(
+            "ScreenedStrategy: norm ratio %s, weight ratio %s around %s",
+            self.screen.max_norm_ratio,
+            self.screen.max_weight_ratio,
+            type(self.strategy).__name__,
+        )
+        self.strategy.summary()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's train messages; the model sent is what replies are checked against."""
+        self._model = {name: np.array(array_to_numpy(array)) for name, array in arrays.items()}
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Screen the replies; the wrapped strategy aggregates those accepted (and sees the failures)."""
+        replies = list(replies)
+        rejected: Counter[str] = Counter()
+        passed: list[tuple[Message, DenseReply]] = []
+        for reply in replies:
+            if reply.has_error():
+                continue
+            try:
+                checked = screen_dense_reply(
+                    reply.content, model=self._model, weighted_by_key=self.weighted_by_key
+                )
+            except Rejected as rejection:
+                self._reject(server_round, reply, rejection, rejected)
+                continue
+            passed.append((reply, checked))
+        accepted = self._drop_outliers(server_round, passed, rejected)
+        self._reports[server_round] = (len(accepted), rejected)
+        if not accepted:
+            if passed or rejected:
+                log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
+            return None, None
+        _conform(accepted)
+        errors = [reply for reply in replies if reply.has_error()]
+        arrays, metrics = self.strategy.aggregate_train(server_round, [*accepted, *errors])
+        if arrays is not None:
+            self.counted.update({reply.metadata.src_node_id: server_round for reply in accepted})
+        return arrays, metrics
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Delegated."""
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Delegated."""
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def round_metrics(self, server_round: int) -> dict[str, float]:
+        """Replies accepted and rejected (by reason) in ``server_round``; empty if the round is unknown."""
+        if server_round not in self._reports:
+            return {}
+        accepted, rejected = self._reports[server_round]
+        metrics: dict[str, float] = {"accepted": accepted, "rejected": sum(rejected.values())}
+        metrics.update({f"rejected_{reason}": rejected[reason] for reason in REJECTION_REASONS})
+        return metrics
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Which nodes' updates reached the model, and in which round (the coordinator's audit commits
+        only those), as two aligned int64 arrays."""
+        nodes = sorted(self.counted)
+        return {
+            COUNTED_NODES_KEY: np.array(nodes, dtype=np.int64),
+            COUNTED_VERSIONS_KEY: np.array([self.counted[n] for n in nodes], dtype=np.int64),
+        }
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state_dict` (a checkpoint without it leaves the record empty)."""
+        nodes = np.asarray(state.get(COUNTED_NODES_KEY, np.zeros(0, np.int64))).reshape(-1)
+        rounds = np.asarray(state.get(COUNTED_VERSIONS_KEY, np.zeros(0, np.int64))).reshape(-1)
+        if nodes.shape != rounds.shape:
+            raise ValueError(f"counted record: {nodes.size} node ids but {rounds.size} rounds")
+        self.counted = {int(n): int(r) for n, r in zip(nodes, rounds, strict=True)}
+
+    def _drop_outliers(
+        self, server_round: int, passed: list[tuple[Message, DenseReply]], rejected: Counter[str]
+    ) -> list[Message]:
+        """The replies whose update norm and weight are within the screen's ratios of the round's medians."""
+        norms, weights = [c.norm for _, c in passed], [c.weight for _, c in passed]
+        big_norms = ratio_outliers(norms, self.screen.max_norm_ratio, self.screen.min_replies)
+        big_weights = ratio_outliers(weights, self.screen.max_weight_ratio, self.screen.min_replies)
+        accepted = []
+        for (reply, checked), big_norm, big_weight in zip(passed, big_norms, big_weights, strict=True):
+            if big_norm or big_weight:
+                what, value, values = (
+                    ("norm", checked.norm, norms) if big_norm else ("weight", checked.weight, weights)
+                )
+                detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
+                self._reject(server_round, reply, Rejected(f"{what}_outlier", detail), rejected)
+                continue
+            accepted.append(reply)
+        return accepted
+
+    @staticmethod
+    def _reject(server_round: int, reply: Message, rejection: Rejected, rejected: Counter[str]) -> None:
+        log.warning(
+            "round %d: rejected the reply of node %d: %s", server_round, reply.metadata.src_node_id, rejection
+        )
+        rejected[rejection.reason] += 1
+
+
+def _conform(replies: list[Message]) -> None:
+    """Give the accepted replies the record names of the first and only the metric names all share, as
+    Flower's consistency checks require (in place: each reply's content is replaced)."""
+    first = replies[0].content
+    arrays_key = next(k for k, r in first.items() if isinstance(r, ArrayRecord))
+    metrics_key = next(k for k, r in first.items() if isinstance(r, MetricRecord))
+    metric_sets = [
+        set(next(r for r in reply.content.values() if isinstance(r, MetricRecord)).keys())
+        for reply in replies
+    ]
+    shared = set.intersection(*metric_sets)
+    for reply, names in zip(replies, metric_sets, strict=True):
+        content = reply.content
+        arrays = next(r for r in content.values() if isinstance(r, ArrayRecord))
+        metrics = next(r for r in content.values() if isinstance(r, MetricRecord))
+        if names != shared:
+            metrics = MetricRecord({name: metrics[name] for name in metrics if name in shared})
+        others = {k: r for k, r in content.items() if not isinstance(r, ArrayRecord | MetricRecord)}
+        reply.content = RecordDict({**others, arrays_key: arrays, metrics_key: metrics})

@@ -1,0 +1,128 @@
+"""Screening uncompressed replies: one bad node is rejected and counted, the round goes on without it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedMedian
+
+from fedge.app.config import AppConfig
+from fedge.app.task import DigitsTask
+from fedge.flower.compat import set_task_identity
+from fedge.server import DenseFedAvg, ReplyScreen, ScreenedStrategy
+from fedge.server.channel import COUNTED_NODES_KEY
+from fedge.simulation.config import SimulationConfig
+from fedge.simulation.engines import run_simulation
+
+MODEL = {"w": np.zeros((2, 3), np.float32), "count": np.array(4, np.int64)}
+
+
+class _Grid:
+    """What a strategy's configure_train asks of a Grid: the connected nodes."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self) -> list[int]:
+        return self.nodes
+
+
+def _reply(node: int, arrays: dict | None = None, metrics: dict | None = None, **records) -> Message:
+    instruction = Message(RecordDict(), dst_node_id=node, message_type="train")
+    content = RecordDict(records)
+    if arrays is not None:
+        content["arrays"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
+    if metrics is not None:
+        content["metrics"] = MetricRecord(metrics)
+    reply = Message(content, reply_to=instruction)
+    reply.metadata.__dict__["_src_node_id"] = node  # as the node that answered
+    return reply
+
+
+def _honest(node: int, value: float, examples: float = 10.0, **extra_metrics) -> Message:
+    weights = {"w": np.full((2, 3), value, np.float32), "count": np.array(5, np.int64)}
+    return _reply(node, weights, {"num-examples": examples, "train_loss": 0.5, **extra_metrics})
+
+
+def _strategy(inner=None, **screen) -> ScreenedStrategy:
+    set_task_identity(run_id=1)
+    strategy = ScreenedStrategy(inner or DenseFedAvg(fraction_evaluate=0.0), ReplyScreen(**screen))
+    model = ArrayRecord({k: Array(v) for k, v in MODEL.items()})
+    strategy.configure_train(1, model, ConfigRecord(), _Grid(list(range(1, 12))))
+    return strategy
+
+
+def test_bad_replies_are_rejected_by_reason_and_the_honest_ones_aggregated():
+    strategy = _strategy(max_norm_ratio=5.0, max_weight_ratio=100.0)
+    nan = np.full((2, 3), np.nan, np.float32)
+    replies = [
+        _honest(1, 1.0),
+        _honest(2, 1.0),
+        _honest(3, 1.0),
+        _honest(4, 1.0, extra_metric=7.0),  # a metric the others lack: kept, the metric is not aggregated
+        _reply(5, {"w": nan, "count": np.array(5)}, {"num-examples": 10.0}),
+        _reply(6, {"w": np.ones((3, 2), np.float32), "count": np.array(5)}, {"num-examples": 10.0}),
+        _reply(7, {**MODEL, "extra": np.ones(2)}, {"num-examples": 10.0}),
+        _reply(8, None, {"num-examples": 10.0}),
+        _reply(9, MODEL, {"num-examples": float("nan")}),
+        _reply(10, MODEL, {"num-examples": 1e30}),
+        _reply(11, {"w": np.full((2, 3), 100.0, np.float32), "count": np.array(5)}, {"num-examples": 10.0}),
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), np.ones((2, 3)))  # only the four honest replies
+    assert metrics["train_loss"] == pytest.approx(0.5) and "extra_metric" not in metrics
+    figures = strategy.round_metrics(1)
+    assert figures["accepted"] == 4 and figures["rejected"] == 7
+    assert {k: v for k, v in figures.items() if k.startswith("rejected_") and v} == {
+        "rejected_non_finite": 1,
+        "rejected_wrong_tensors": 2,
+        "rejected_no_update": 1,
+        "rejected_bad_weight": 1,
+        "rejected_weight_outlier": 1,
+        "rejected_norm_outlier": 1,
+    }
+    assert set(strategy.state_dict()[COUNTED_NODES_KEY]) == {1, 2, 3, 4}
+
+
+def test_records_under_other_names_and_a_median_rule_still_aggregate():
+    strategy = _strategy(FedMedian(fraction_evaluate=0.0))
+    odd = _reply(3, None, None)  # the same model and metrics, under other record names
+    odd.content = RecordDict(
+        {
+            "weights": ArrayRecord({k: Array(np.full_like(v, 3)) for k, v in MODEL.items()}),
+            "m": MetricRecord({"num-examples": 5.0, "train_loss": 0.1}),
+            "cfg": ConfigRecord({"note": "kept"}),
+        }
+    )
+    arrays, _ = strategy.aggregate_train(1, [_honest(1, 1.0), _honest(2, 2.0), odd])
+    np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 2.0))  # the median of 1, 2, 3
+
+
+def test_a_round_with_nothing_acceptable_keeps_the_model():
+    strategy = _strategy()
+    assert strategy.aggregate_train(1, [_reply(1, MODEL, {"loss": 1.0})]) == (None, None)
+    assert (
+        strategy.round_metrics(1)["rejected_bad_weight"] == 1 and strategy.round_metrics(1)["accepted"] == 0
+    )
+    assert strategy.round_metrics(2) == {}
+
+
+class DivergingDigits(DigitsTask):
+    """Digits where client 0's features are scaled by 10^30: its training ends in NaN weights."""
+
+    def load_partition(self, partition_id, num_partitions, *, alpha, seed):
+        features, labels = super().load_partition(partition_id, num_partitions, alpha=alpha, seed=seed)
+        return (features * 1e30 if partition_id == 0 else features), labels
+
+
+def test_a_client_whose_training_diverges_is_rejected_and_the_run_trains_on():
+    # Before screening, FedAvg averaged client 0's NaN weights in: the model stayed NaN for good.
+    task = f"{Path(__file__).resolve()}:DivergingDigits"
+    app = AppConfig(rounds=3, task=task, seed=0)
+    history = run_simulation(SimulationConfig(clients=4, workers=2, app=app))
+    assert all(r.extra["rejected_non_finite"] == 1 and r.extra["accepted"] == 3 for r in history.rounds)
+    assert math.isfinite(history.rounds[-1].loss) and history.rounds[-1].accuracy > 0.5
