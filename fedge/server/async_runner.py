@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -55,7 +56,7 @@ from fedge.server.channel import (
 from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.runner import RunFailed
-from fedge.server.screening import Rejected
+from fedge.server.screening import REJECTION_REASONS, Rejected, screen_dense_reply
 
 __all__ = ["FedBuffStrategy"]
 
@@ -109,6 +110,7 @@ class FedBuffStrategy(Strategy):
         self.optimizer = optimizer or ServerOptimizer()
         self.compression = compression
         self.channel = _BufferedChannel(compression, weighted_by_key) if compression else None
+        self._dense_rejected: dict[int, Counter[str]] = {}  # uncompressed replies: version -> reasons
         self.weighted_by_key, self.poll_s = weighted_by_key, poll_s
         self.state: FedBuff | None = None
         self._dtypes: dict[str, str] = {}
@@ -175,7 +177,7 @@ class FedBuffStrategy(Strategy):
             dispatch = self._arrived.pop(message_id, None) or self._in_flight.pop(message_id, None)
             if dispatch is not None and not reply.has_error():
                 sent[dispatch.node] = (reply, dispatch)
-        counted = self._add_compressed(label, sent) if self.channel else self._add_dense(sent)
+        counted = self._add_compressed(label, sent) if self.channel else self._add_dense(label, sent)
         self.state.flush()
         if self.channel is not None:
             self.channel.count(label, counted)
@@ -183,7 +185,7 @@ class FedBuffStrategy(Strategy):
         waiting = {d.label for d in [*self._in_flight.values(), *self._arrived.values()]}
         self._bases = {k: v for k, v in self._bases.items() if k in waiting}
         staleness = self.state.last_staleness
-        metrics = self.channel.round_metrics(label) if self.channel else {}
+        metrics = self.channel.round_metrics(label) if self.channel else self._dense_metrics(label)
         metrics |= {
             "accepted": len(counted),
             "version": self.state.version,
@@ -203,6 +205,13 @@ class FedBuffStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Nothing to aggregate (no federated evaluation)."""
         return None
+
+    def _dense_metrics(self, label: int) -> dict[str, float]:
+        """Uncompressed replies rejected while building version ``label``, by reason."""
+        rejected = self._dense_rejected.pop(label, Counter())
+        return {"rejected": sum(rejected.values())} | {
+            f"rejected_{r}": rejected[r] for r in REJECTION_REASONS
+        }
 
     def round_metrics(self, server_round: int) -> dict[str, float]:
         """The aggregation's figures: accepted updates, staleness, the version, and compression's."""
@@ -354,21 +363,25 @@ class FedBuffStrategy(Strategy):
             added.append(screened.node_id)
         return added
 
-    def _add_dense(self, sent: Mapping[int, tuple[Message, _Dispatch]]) -> list[int]:
-        """Each reply's model minus the model it was sent, weighted by its examples; the nodes added."""
+    def _add_dense(self, label: int, sent: Mapping[int, tuple[Message, _Dispatch]]) -> list[int]:
+        """Each reply's model minus the model it was sent, weighted by its examples; the nodes added.
+        A reply that fails :func:`~fedge.server.screening.screen_dense_reply` is rejected and counted."""
         added = []
+        rejected = self._dense_rejected.setdefault(label, Counter())
         for node, (reply, dispatch) in sent.items():
-            records, metrics = list(reply.content.array_records.values()), reply.content.metric_records
-            weight = next(iter(metrics.values()), {}).get(self.weighted_by_key) if metrics else None
             base = self._bases.get(dispatch.label)
-            if len(records) != 1 or base is None or not isinstance(weight, int | float) or weight <= 0:
-                log.warning("node %d: no single model and positive %s", node, self.weighted_by_key)
+            if base is None:
+                continue  # its version is no longer held: nothing to measure the update against
+            try:
+                checked = screen_dense_reply(reply.content, model=base, weighted_by_key=self.weighted_by_key)
+            except Rejected as rejection:
+                log.warning("version %d: rejected the reply of node %d: %s", label, node, rejection)
+                rejected[rejection.reason] += 1
                 continue
-            model, _ = record_to_arrays(records[0])
-            if {k: v.shape for k, v in model.items()} != {k: v.shape for k, v in base.items()}:
-                log.warning("node %d: a reply whose tensors are not the model's", node)
-                continue
-            self.state.add({name: model[name] - base[name] for name in base}, dispatch.label - 1, weight)
+            model, _ = record_to_arrays(reply.content[checked.arrays_key])
+            self.state.add(
+                {name: model[name] - base[name] for name in base}, dispatch.label - 1, checked.weight
+            )
             added.append(node)
         return added
 
