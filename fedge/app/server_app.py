@@ -19,7 +19,7 @@ from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg, Strategy
 
 from fedge.app.backdoor import trigger_values, triggered_test_set
 from fedge.app.config import AppConfig
-from fedge.app.task import checked_evaluation, prepare_task
+from fedge.app.task import checked_evaluation, prepare_task, task_errors
 from fedge.app.weights import load_record, state_record
 from fedge.config import ConfigError, from_table
 from fedge.reporting.history import RoundListener, RunHistory
@@ -195,8 +195,10 @@ def federated_run(
         seed=config.seed,
     )
     torch.manual_seed(config.seed)
-    model = task.task.model()
-    test_set = task.test_set()
+    with task_errors(config.task, "model()"):
+        model = task.task.model()
+    with task_errors(config.task, "test_set()"):
+        test_set = task.test_set()
 
     # Under a backdoor attack the rounds also report how often the trigger wins (fedge.app.backdoor).
     triggered = None
@@ -205,10 +207,12 @@ def federated_run(
 
     def evaluate(arrays: ArrayRecord) -> Mapping[str, float]:
         load_record(model, arrays)
-        result = checked_evaluation(task.task.evaluate(model, test_set), config.task)
+        with task_errors(config.task, "evaluate()"):
+            result = checked_evaluation(task.task.evaluate(model, test_set), config.task)
         result.pop("backdoor_success", None)  # fedge's name: only its own measurement below goes by it
         if triggered is not None:
-            backdoor = checked_evaluation(task.task.evaluate(model, triggered), config.task)
+            with task_errors(config.task, "evaluate() on the triggered test set"):
+                backdoor = checked_evaluation(task.task.evaluate(model, triggered), config.task)
             result["backdoor_success"] = backdoor["accuracy"]
         return result
 

@@ -193,7 +193,7 @@ def run_rounds(
             if run.out_dir:  # people (and tools) can follow a long run in metrics.json
                 history.write(run.out_dir)
             history.notify(metrics)
-            failures.check(metrics, traffic.first_error)
+            failures.check(metrics, traffic.first_error, traffic.failed)
             if stop:
                 raise _StopEarly(stop)
         round_started = time.perf_counter()
@@ -248,11 +248,24 @@ class _FailureWatch:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.in_a_row, self.first_error = limit, 0, ""
+        self._reported = ""  # the last client failure warned about: the same one again is logged at INFO
 
-    def check(self, metrics: RoundMetrics, first_error: str) -> None:
+    def check(self, metrics: RoundMetrics, first_error: str, failed: int = 0) -> None:
         accepted = metrics.extra.get("accepted", metrics.clients_replied)
         if accepted:
             self.in_a_row = 0
+            if failed:  # the round trained, without some clients: say who failed and why
+                cause = _last_line(first_error)
+                level = logging.INFO if cause == self._reported else logging.WARNING
+                self._reported = cause
+                log.log(
+                    level,
+                    "round %d: %d of %d sampled clients failed; first: %s",
+                    metrics.round,
+                    failed,
+                    metrics.clients_sampled,
+                    cause,
+                )
             return
         self.in_a_row += 1
         self.first_error = self.first_error or first_error or _rejections(metrics)

@@ -186,4 +186,68 @@ def test_a_task_whose_evaluate_returns_no_accuracy_stops_in_one_line(tmp_path):
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "evaluate() must return numbers 'accuracy' and 'loss'" in result.output
-    assert "it returned loss" in result.output
+    assert "it returned loss (float)" in result.output
+
+
+SERVER_SIDE_MISTAKES = """
+import torch
+from fedge.app.task import DigitsTask
+
+
+class ModelRaises(DigitsTask):
+    def model(self):
+        raise ValueError("bad width")
+
+
+class TestSetRaises(DigitsTask):
+    def test_set(self, num_partitions, *, alpha, seed):
+        raise FileNotFoundError("test.csv not found")
+
+
+class DictOutput(DigitsTask):  # the default evaluate() cannot read a dict of outputs
+    def model(self):
+        inner = super().model()
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                return {"logits": self.inner(x)}
+
+        return Wrapped()
+
+
+class ShortLabels(DigitsTask):
+    def test_set(self, num_partitions, *, alpha, seed):
+        features, labels = super().test_set(num_partitions, alpha=alpha, seed=seed)
+        return features, labels[:-3]
+
+
+class TensorMetrics(DigitsTask):  # 0-d tensors are numbers too
+    def evaluate(self, model, data):
+        return {k: torch.tensor(v) for k, v in super().evaluate(model, data).items()}
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ModelRaises", "ModelRaises: model() raised ValueError: bad width"),
+        ("TestSetRaises", "TestSetRaises: test_set() raised FileNotFoundError: test.csv not found"),
+        ("DictOutput", "DictOutput: evaluate() raised TypeError: "),
+        ("ShortLabels", "test_set() returned [359] feature rows but 356 labels"),
+        ("TensorMetrics", None),
+    ],
+)
+def test_mistakes_in_a_tasks_server_side_code_end_in_one_line(tmp_path, name, message):
+    (tmp_path / "mistakes.py").write_text(SERVER_SIDE_MISTAKES)
+    task = f"{tmp_path / 'mistakes.py'}:{name}"
+    args = ["simulate", "--task", task, "--clients", "2", "--rounds", "1", "--out", str(tmp_path / "run")]
+    result = CliRunner().invoke(app, args)
+    assert "Traceback" not in result.output
+    if message is None:
+        assert result.exit_code == 0, result.output
+    else:
+        assert result.exit_code == 2 and message in result.output, result.output

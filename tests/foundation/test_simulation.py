@@ -1,6 +1,7 @@
 """The local engine: reproducible runs, persistent node contexts, failures that do not stop a round."""
 
 import json
+import logging
 import os
 import signal
 import time
@@ -226,7 +227,10 @@ def test_a_client_that_kills_its_worker_process_loses_only_its_own_reply():
     assert "count" not in grid.contexts[crashed_node].state
 
 
-def test_failed_replies_are_counted_and_the_run_completes():
+def test_failed_replies_are_counted_and_the_run_completes(caplog):
+    caplog.set_level(logging.INFO, logger="fedge.server.runner")
+    set_task_identity(run_id=1)
+
     def flaky(msg: Message, context: Context, call_next):
         if context.node_config["partition-id"] == 0:
             raise RuntimeError("battery low")
@@ -241,6 +245,13 @@ def test_failed_replies_are_counted_and_the_run_completes():
     finally:
         grid.shutdown()
     assert [(r.clients_sampled, r.clients_replied) for r in history.rounds] == [(3, 2), (3, 2)]
+    # said once at WARNING (the same failure again at INFO), naming the client and its error
+    warned = [r for r in caplog.records if "sampled clients failed" in r.getMessage()]
+    assert [r.levelname for r in warned] == ["WARNING", "INFO"]
+    assert (
+        "1 of 3 sampled clients failed; first: partition 0: RuntimeError: battery low"
+        in warned[0].getMessage()
+    )
 
 
 def test_a_run_ends_when_it_reaches_its_target_accuracy():
