@@ -8,6 +8,7 @@ key (``mqtt.transfer.max_buffered_bytes``); range checks stay in each dataclass'
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -141,6 +142,8 @@ def _coerce(kind: Any, value: Any, dotted: str) -> Any:
         return tuple(items) if origin is tuple else items
     if kind is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            if math.isnan(value):  # compares false with everything: a wait "until > nan" never ends
+                raise ConfigError(f"{dotted} must be a number, got nan")
             return float(value)
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -149,3 +152,13 @@ def _coerce(kind: Any, value: Any, dotted: str) -> Any:
         return value
     name = getattr(kind, "__name__", str(kind))
     raise ConfigError(f"{dotted} must be {name}, got {value!r}")
+
+
+def make_state_dir(path: str | Path) -> Path:
+    """Create a state directory (and its parents) if needed; a ConfigError naming it if the OS refuses."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create the state directory {path}: {err.strerror or err}") from None
+    return path

@@ -219,7 +219,7 @@ class AppConfig:
             (self.rounds >= 1, "rounds must be >= 1"),
             (0.0 < self.fraction_train <= 1.0, "fraction_train must be in (0, 1]"),
             (self.local_epochs >= 1, "local_epochs must be >= 1"),
-            (self.learning_rate > 0.0, "learning_rate must be > 0"),
+            (0.0 < self.learning_rate < math.inf, "learning_rate must be > 0 and finite"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.alpha > 0.0, "alpha must be > 0"),
             (":" in self.task, "task must be 'package.module:TaskClass' or 'path/to/file.py:TaskClass'"),

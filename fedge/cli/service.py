@@ -100,6 +100,16 @@ def status(
     if json_out:
         typer.echo(json.dumps(current))
         return
+    try:
+        _print_status(current)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise fail(
+            f"{state_dir / 'status.json'} is not a coordinator's status ({type(err).__name__}: {err})"
+        ) from None
+
+
+def _print_status(current: dict) -> None:
+    """The status's lines (KeyError, TypeError, ValueError on a file that is not a coordinator's status)."""
     accuracy = current.get("last_accuracy")
     typer.echo(f"round         {current['round']}/{current['rounds']}")
     typer.echo(f"last accuracy {'-' if accuracy is None else f'{100 * accuracy:.2f}%'}")

@@ -37,6 +37,7 @@ from flwr.clientapp import ClientApp
 
 from fedge.atomic import write_bytes_atomic
 from fedge.client.agent_config import REFERENCE_TASK, AgentConfig
+from fedge.config import make_state_dir
 from fedge.devices.profile import measure_device
 from fedge.flower.compat import (
     MessageDecodeError,
@@ -141,7 +142,7 @@ class DeviceAgent:
         self._verifier = InstructionVerifier(config.instruction_keys) if config.instruction_keys else None
         self._state_dir = Path(config.state_dir)
         self._inbox_dir = self._state_dir / "inbox"
-        self._inbox_dir.mkdir(parents=True, exist_ok=True)
+        make_state_dir(self._inbox_dir)
         self._lock = threading.Lock()
         self._endpoint = NodeEndpoint(config.mqtt, config.node_id, on_message=self._on_delivery)
         self.handled = 0

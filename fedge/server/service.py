@@ -36,7 +36,7 @@ from flwr.app import ArrayRecord
 
 from fedge.atomic import write_json_atomic
 from fedge.compression import CodecConfigError, build_codec
-from fedge.config import ConfigError, read_secret
+from fedge.config import ConfigError, make_state_dir, read_secret
 from fedge.devices.fleet import LinkProfile
 from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import set_task_identity
@@ -205,7 +205,7 @@ def _run_service(
             log.warning("on_model_exported is set but the run exports no model (export_every is 0)")
         else:
             run = dataclasses.replace(run, exporter=run.exporter.with_on_export(on_model_exported))
-    state_dir.mkdir(parents=True, exist_ok=True)
+    make_state_dir(state_dir)
     resume_point = load_checkpoint(state_dir) if resume else None
     if resume_point is not None:
         log.info("resuming after round %d", resume_point.completed_round)

@@ -225,6 +225,8 @@ class MqttConfig:
     def from_table(cls, table: Mapping[str, Any], *, where: str = "mqtt") -> MqttConfig:
         """From an ``[mqtt]`` table: MqttConfig's keys, ``password_file`` instead of ``password`` if wanted,
         and a ``[mqtt.transfer]`` sub-table of :class:`TransferSettings`."""
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{where} must be a table, got {table!r}")
         values = dict(table)
         if "password_file" in values:
             values["password"] = read_secret(values.pop("password_file"), "password")

@@ -57,6 +57,8 @@ def test_config_file_and_flags_combine(tmp_path):
         ([], "alpha = -1.0\n", "alpha must be > 0"),
         ([], "clients = 'many'\n", "clients must be int"),
         ([], "this is not toml", "not valid TOML"),
+        ([], "learning_rate = inf\n", "learning_rate must be > 0 and finite"),
+        ([], "alpha = nan\n", "alpha must be a number, got nan"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, toml, needle):
@@ -164,3 +166,32 @@ def test_more_clients_than_the_data_can_split_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: cannot split the 1,438 digits training images among 1000 clients")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("command", "toml", "needle"),
+    [
+        (
+            "coordinator",
+            'state_dir = "{tmp}/s"\nwait_for_nodes_s = nan\n',
+            "wait_for_nodes_s must be a number",
+        ),
+        ("coordinator", 'state_dir = "{tmp}/s"\nmqtt = 5\n', "mqtt must be a table, got 5"),
+        ("agent", 'node_id = "n1"\nstate_dir = "/proc/none/s"\n', "cannot create the state directory"),
+    ],
+)
+def test_bad_service_configs_are_one_line(tmp_path, command, toml, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml.format(tmp=tmp_path))
+    result = runner.invoke(app, [command, "--config", str(path)])
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_status_of_a_file_that_is_not_a_coordinators_is_one_line(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "status.json").write_text('{"round": 1}')
+    path = tmp_path / "c.toml"
+    path.write_text(f'state_dir = "{tmp_path}/s"\n')
+    result = runner.invoke(app, ["status", "--config", str(path)])
+    assert result.exit_code == 2 and "is not a coordinator's status (KeyError: 'rounds')" in result.output
