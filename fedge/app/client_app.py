@@ -46,7 +46,8 @@ def train(msg: Message, context: Context) -> Message:
     )
     features, labels = task.partition(partition_id)
     if is_attacker(config, context.node_config, "label-flip"):  # simulated data poisoning
-        labels = flip_labels(labels, _num_classes(task))
+        # classes the test set lacks may still be in this partition: never flip a label below zero
+        labels = flip_labels(labels, max(_num_classes(task), int(labels.max()) + 1 if len(labels) else 0))
     if is_attacker(config, context.node_config, "backdoor"):
         features, labels = plant(features, labels, _trigger_values(task), seed=train_config.seed)
     metrics = task.task.train(model, (features, labels), train_config)

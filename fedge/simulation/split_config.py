@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fedge.app.config import AppConfig
+from fedge.app.task import Task, load_task
 from fedge.config import ConfigError, check_types, from_table, read_toml
 from fedge.devices.fleet import (
     ClientProfile,
@@ -245,7 +246,16 @@ def _check_supported(sim: SimulationConfig) -> None:
     if sim.schedule != type(sim.schedule)():
         raise ConfigError("a [schedule] table is not supported with --split")
     defaults = AppConfig()
-    for f in dataclasses.fields(AppConfig):
+    # the strategy first: choosing one also sets others' defaults (median turns the norm screen on)
+    for f in sorted(dataclasses.fields(AppConfig), key=lambda f: f.name != "strategy"):
         if f.name not in _USED_APP_FIELDS and getattr(sim.app, f.name) != getattr(defaults, f.name):
             hint = _HINTS.get(f.name, "split runs do not implement it")
             raise ConfigError(f"{f.name} is not used by split training (--split): {hint}")
+    task = load_task(sim.app.task, sim.app.task_args)
+    custom = [name for name in ("train", "evaluate") if getattr(type(task), name) is not getattr(Task, name)]
+    if custom:
+        calls = " and ".join(f"{name}()" for name in custom)
+        raise ConfigError(
+            f"task {sim.app.task} has its own {calls}; split training runs its own cross-entropy training "
+            "and accuracy over the stages, which would ignore it (run it without --split)"
+        )

@@ -66,6 +66,7 @@ def test_split_run_writes_metrics_and_plots(tmp_path):
         (["--split"], "[split]\ncuts = [9]\n", "split.cuts: cut 9 leaves no server-side layers"),
         (["--split"], "[split]\nbatch = 3\n", "unknown key 'split.batch'"),
         (["--split"], 'codec = "int8"\n', "codec is not used by split training"),
+        (["--split", "--strategy", "median"], "", "strategy is not used by split training"),
         (["--split", "--engine", "ray"], "", "engine 'ray' does not run split training"),
         ([], "[split]\n", "the [split] table configures split training: add --split"),
         (
@@ -90,3 +91,23 @@ def test_bad_split_config_is_one_line(tmp_path, args, toml, needle):
     assert needle in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_a_task_with_its_own_training_is_refused_for_split(tmp_path):
+    (tmp_path / "own.py").write_text(
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class OwnEvaluate(DigitsTask):\n"
+        "    def evaluate(self, model, data):\n"
+        "        return {**super().evaluate(model, data), 'f1': 0.5}\n"
+    )
+    args = [
+        "simulate",
+        "--split",
+        "--task",
+        f"{tmp_path / 'own.py'}:OwnEvaluate",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "has its own evaluate(); split training runs its own cross-entropy" in result.output
