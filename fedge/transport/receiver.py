@@ -43,6 +43,8 @@ __all__ = ["UNATTRIBUTED", "Completed", "Reassembler", "ReceiverStats", "reserve
 
 logger = logging.getLogger(__name__)
 
+_STALLED_ACK_TIMEOUTS = 4  # a partial without a chunk this many ack timeouts yields to its sender's new one
+
 UNATTRIBUTED = "?"
 """The stream key counts go under once :data:`MAX_COUNTED_STREAMS` streams have counts (bounds the memory an
 unauthenticated publisher inventing topics could make the counters use)."""
@@ -287,6 +289,7 @@ class Reassembler:
         if frame.message_size > limit or reserved > room:
             return None, self._reject(stream, frame, RejectReason.TOO_LARGE)
         # Transient limits: drop without answering; the sender probes later and tries again.
+        self._drop_own_stalled(stream, reserved, now_s)
         reason = self._admit(stream, reserved)
         if reason is not None:
             self.stats.drop(stream, reason)
@@ -312,6 +315,28 @@ class Reassembler:
         self.stats.rejected += 1
         self.stats.note(stream, f"rejected-{reason.name.lower().replace('_', '-')}")
         return AckFrame(frame.transfer_id, AckStatus.REJECTED, frame.total, reason=reason)
+
+    def _drop_own_stalled(self, stream: str, reserved: int, now_s: float) -> None:
+        """While ``stream``'s own budget lacks room for a new transfer, drop its partials that made no
+        progress for four ack timeouts, the most stalled first: a sender that starts a new message has
+        given up on those (an honest one probes and re-sends within one), or never sent them (anyone who
+        can write on its stream: junk there held its budget until ``max_partial_age_s``)."""
+        settings, sender = self.settings, self._senders.get(stream)
+        while (
+            sender is not None
+            and sender.partials
+            and (
+                len(sender.partials) >= settings.max_partial_transfers_per_sender
+                or sender.reserved + reserved > settings.max_buffered_bytes_per_sender
+            )
+        ):
+            transfer_id, stalled = min(sender.partials.items(), key=lambda item: item[1].last_progress_s)
+            if now_s - stalled.last_progress_s < _STALLED_ACK_TIMEOUTS * settings.ack_timeout_s:
+                return
+            self._drop((stream, transfer_id))
+            self.stats.evicted += 1
+            self.stats.drop(stream, "evicted-stalled")
+            sender = self._senders.get(stream)
 
     def _admit(self, stream: str, reserved: int) -> str | None:
         """Make room for a new transfer of ``stream``; return why it cannot have any, or None."""

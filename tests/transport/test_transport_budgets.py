@@ -107,6 +107,22 @@ def test_a_sender_over_its_budget_waits_alone_and_its_transfers_stay_live() -> N
     assert receiver.reserved_bytes == receiver.buffered_bytes == receiver.partial_count == 0
 
 
+def test_stalled_partials_give_way_to_their_own_senders_new_transfer() -> None:
+    """Junk half-transfers written on a node's stream (anyone can, without the broker ACL) held the whole
+    budget of that stream until max_partial_age_s: the genuine sender's next message was dropped for it."""
+    receiver = Reassembler(TransferSettings(max_partial_transfers_per_sender=4, ack_timeout_s=5.0))
+    for tid in range(4):  # four stalled partials fill the stream's transfer budget
+        receiver.on_data(EVIL, _frame(4096, chunk=2048, tid=tid), 1.0)
+    real = random.Random(1).randbytes(4096)
+    frames = _message(real, chunk=2048, tid=99)
+    # still live (within four ack timeouts): the new one waits, nothing of theirs is dropped
+    assert receiver.on_data(EVIL, frames[0], 10.0) == (None, None)
+    assert receiver.stats.by_stream[EVIL]["budget-transfers"] == 1 and receiver.sender_usage(EVIL)[0] == 4
+    # stalled for longer: the most stalled one makes room, and the message gets through
+    assert _deliver(receiver, EVIL, frames, now_s=30.0) == real
+    assert receiver.stats.by_stream[EVIL]["evicted-stalled"] == 1 and receiver.sender_usage(EVIL)[0] == 3
+
+
 def test_fair_share_evicts_the_sender_above_it_not_the_one_below() -> None:
     """With per-sender budgets above the global cap, the fair share alone protects other senders."""
     cap = reserved_size(10_000, 10) * 3
