@@ -9,7 +9,7 @@ from typing import Any
 
 from fedge.config import ConfigError, check_types, from_table, read_secret, read_toml
 from fedge.devices.profile import DeviceProfile
-from fedge.protocol.fleet import validate_name
+from fedge.protocol.fleet import RESERVED_NODE_IDS, validate_name
 from fedge.transport.config import MqttConfig
 from fedge.transport.signing import load_public_key
 
@@ -74,6 +74,8 @@ class AgentConfig:
         DeviceProfile(**self.link)  # its checks, with its messages
         try:
             validate_name(self.node_id, "node id")
+            if self.node_id in RESERVED_NODE_IDS:
+                raise ValueError(f"node id {self.node_id!r} is reserved for the coordinator")
         except ValueError as err:
             raise ConfigError(str(err)) from None
         if not self.state_dir:

@@ -13,11 +13,15 @@ import re
 __all__ = [
     "PROFILE_PREFIX",
     "REPLY_PREFIX",
+    "RESERVED_NODE_IDS",
     "SUPERLINK_NODE_ID",
     "flower_node_id",
     "is_valid_name",
     "validate_name",
 ]
+
+RESERVED_NODE_IDS = frozenset({"coordinator"})
+"""Names no node may take: the coordinator's own broker user (its ACL lines and secrets use it)."""
 
 SUPERLINK_NODE_ID = 1
 """The node id Flower reserves for the SuperLink (``flwr.common.constant``; checked by a contract test)."""

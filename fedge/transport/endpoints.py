@@ -7,6 +7,7 @@ came on, which the broker ACL lets only that node (and the coordinator, for inbo
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fedge.config import ConfigError
-from fedge.protocol.fleet import validate_name
+from fedge.protocol.fleet import RESERVED_NODE_IDS, validate_name
 from fedge.transport.channel import ReliableChannel
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import Will
@@ -28,6 +29,9 @@ from fedge.transport.topics import Topics, ack_topic
 __all__ = ["CoordinatorEndpoint", "Delivery", "NodeEndpoint"]
 
 logger = logging.getLogger(__name__)
+
+_FLAP_LOG_S = 10.0  # a node's presence changes within this of its last are logged at DEBUG
+_MAX_REMEMBERED_NODES = 10_000  # presence changes remembered for that; a flood of names resets it
 
 # A node starts a new session (reconnects) at most this often to outrank a newer LEFT/LOST of its own id.
 _RENEW_MIN_INTERVAL_S = 10.0
@@ -173,6 +177,7 @@ class CoordinatorEndpoint(_Endpoint):
         self._on_presence = on_presence
         self._presence_lock = threading.Lock()
         self._tracker = PresenceTracker(max_skew_s=config.presence_max_skew_s)
+        self._last_change: dict[str, float] = {}  # node -> when its presence last changed (monotonic)
         self.set_message_limit(max_message_bytes_for)
         self.channel.listen(self.topics.all_outboxes)
         self.channel.listen_acks(self.topics.all_inbox_acks)
@@ -245,6 +250,9 @@ class CoordinatorEndpoint(_Endpoint):
         if node_id is None or not isinstance(frame, PresenceFrame):
             self.channel.count_drop(topic, "presence-kind")
             return
+        if node_id in RESERVED_NODE_IDS:  # the coordinator's own name: never a node to sample
+            self.channel.count_drop(topic, "presence-reserved")
+            return
         with self._presence_lock:
             forged, stale = self._tracker.forged_frames, self._tracker.stale_frames
             changes = self._tracker.on_frame(node_id, frame, time.time())
@@ -261,8 +269,15 @@ class CoordinatorEndpoint(_Endpoint):
         self._report(changes)
 
     def _report(self, changes: list[tuple[str, bool]]) -> None:
+        now = time.monotonic()
         for node_id, online in changes:
-            logger.info("node %s is %s", node_id, "online" if online else "offline")
+            # a node that flaps (or a flood of forged toggles) is logged once per interval, not per toggle
+            flapping = now - self._last_change.get(node_id, -math.inf) < _FLAP_LOG_S
+            if len(self._last_change) >= _MAX_REMEMBERED_NODES:
+                self._last_change.clear()
+            self._last_change[node_id] = now
+            state = "online" if online else "offline"
+            logger.log(logging.DEBUG if flapping else logging.INFO, "node %s is %s", node_id, state)
             if self._on_presence is not None:
                 self._on_presence(node_id, online)
 

@@ -178,6 +178,7 @@ def test_more_clients_than_the_data_can_split_is_one_line(tmp_path):
         ),
         ("coordinator", 'state_dir = "{tmp}/s"\nmqtt = 5\n', "mqtt must be a table, got 5"),
         ("agent", 'node_id = "n1"\nstate_dir = "/proc/none/s"\n', "cannot create the state directory"),
+        ("agent", 'node_id = "coordinator"\nstate_dir = "{tmp}/s"\n', "is reserved for the coordinator"),
     ],
 )
 def test_bad_service_configs_are_one_line(tmp_path, command, toml, needle):

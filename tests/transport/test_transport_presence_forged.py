@@ -143,3 +143,28 @@ def test_a_record_too_far_ahead_is_covered_at_once_and_outranked_once_plausible(
         with CoordinatorEndpoint(replace(config, client_id=f"late-{config.fleet}")) as late:
             wait_for(lambda: late.online_nodes() == {"n1"}, timeout_s=5)
         assert changes == [("n1", True)] and coordinator.online_nodes() == {"n1"}
+
+
+def test_the_coordinators_own_name_is_never_a_node_and_flapping_is_logged_once(
+    mosquitto: MosquittoBroker,
+    make_config: Callable[..., MqttConfig],
+    wait_for: Callable[..., None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("DEBUG", logger="fedge.transport.endpoints")
+    config = make_config(mosquitto.url, "5")
+    changes: list[tuple[str, bool]] = []
+    with CoordinatorEndpoint(config, on_presence=lambda n, up: changes.append((n, up))) as coordinator:
+        epoch = time.time_ns() // 1000
+        records = [(coordinator.topics.presence("coordinator"), PresenceFrame(ONLINE, epoch))]
+        records += [  # a node toggled ten times in a moment, then a marker
+            (coordinator.topics.presence("flap"), PresenceFrame(LEFT if i % 2 else ONLINE, epoch + i))
+            for i in range(10)
+        ]
+        records.append((coordinator.topics.presence("marker"), PresenceFrame(ONLINE, epoch)))
+        _publish_retained(mosquitto, *records)
+        wait_for(lambda: ("marker", True) in changes)
+        assert "coordinator" not in coordinator.online_nodes()
+        assert coordinator.drop_counts()["coordinator"] == {"presence-reserved": 1}
+        flap = [r for r in caplog.records if r.getMessage().startswith("node flap is")]
+        assert len([r for r in flap if r.levelname == "INFO"]) == 1 and len(flap) == 10
