@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fedge.inference.distribution import publish_model
 from fedge.inference.manifest import read_manifest
+from fedge.protocol.fleet import is_valid_name
 from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
 from fedge.transport.artifact_channel import ArtifactPublisher
@@ -22,6 +24,51 @@ from fedge.transport.artifact_channel import ArtifactPublisher
 __all__ = ["ModelDistributor"]
 
 log = logging.getLogger(__name__)
+
+
+# What status.json keeps of an inference device's retained status: known fields of the expected shape only,
+# for a bounded number of devices (anyone who can publish on the fleet's topics can claim to be one).
+_MAX_STATUS_BYTES = 16 * 1024
+_MAX_DEVICES = 1024
+
+
+def _short_text(value: Any) -> bool:
+    return isinstance(value, str) and len(value) <= 128
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _counts(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and len(value) <= 16
+        and all(_short_text(k) and _count(v) for k, v in value.items())
+    )
+
+
+def _latencies(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and len(value) <= 8
+        and all(
+            _short_text(k) and isinstance(v, int | float) and not isinstance(v, bool)
+            for k, v in value.items()
+        )
+    )
+
+
+_STATUS_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "online": lambda value: isinstance(value, bool),
+    "version": _short_text,
+    "variant": _short_text,
+    "latency_ms": _latencies,
+    "requests": _count,
+    "failed_requests": _counts,
+    "swaps": _count,
+    "failed_swaps": _counts,
+}
 
 
 class ModelDistributor:
@@ -58,24 +105,21 @@ class ModelDistributor:
             return dict(self._devices)
 
     def _on_device_status(self, topic: str, payload: bytes) -> None:
+        name = topic.split("/")[-2]
+        if len(payload) > _MAX_STATUS_BYTES or not is_valid_name(name):
+            return
         try:
             status = json.loads(payload) if payload else None
         except ValueError:
             return  # a device's status is advisory; a malformed one is ignored
         if not isinstance(status, dict):
             return
-        keys = (
-            "online",
-            "version",
-            "variant",
-            "latency_ms",
-            "requests",
-            "failed_requests",
-            "swaps",
-            "failed_swaps",
-        )
+        kept = {key: value for key, value in status.items() if key in _STATUS_FIELDS}
+        kept = {key: value for key, value in kept.items() if _STATUS_FIELDS[key](value)}
         with self._lock:
-            self._devices[topic.split("/")[-2]] = {k: status[k] for k in keys if k in status}
+            if name not in self._devices and len(self._devices) >= _MAX_DEVICES:
+                return  # status.json must not grow with every name anyone publishes under
+            self._devices[name] = kept
 
     def __call__(self, exported: ExportedModel) -> None:
         files = {}

@@ -1,0 +1,31 @@
+"""What status.json keeps of inference devices' statuses: known fields of the right shape, a bounded number."""
+
+from __future__ import annotations
+
+import json
+
+from fedge.server import model_publish
+from fedge.server.model_publish import ModelDistributor
+
+
+def _topic(name: str) -> str:
+    return f"fedge/f/infer/{name}/status"
+
+
+def test_only_known_well_formed_fields_of_a_bounded_number_of_devices_are_kept(monkeypatch):
+    distributor = ModelDistributor(publisher=None)  # type: ignore[arg-type]  # only statuses are fed here
+    good = {"online": True, "version": "r3", "latency_ms": {"p50": 0.4, "p99": 1.2}, "requests": 12}
+    distributor._on_device_status(_topic("cam"), json.dumps({**good, "extra": "x" * 10_000}).encode())
+    distributor._on_device_status(
+        _topic("odd"),
+        json.dumps({"online": "yes", "version": "v" * 10_000, "requests": -1, "swaps": 2}).encode(),
+    )
+    distributor._on_device_status(_topic("big"), json.dumps({"version": "x" * 20_000}).encode())
+    distributor._on_device_status(_topic("bad name!"), json.dumps(good).encode())
+    assert distributor.devices() == {"cam": good, "odd": {"swaps": 2}}
+    monkeypatch.setattr(model_publish, "_MAX_DEVICES", 3)
+    for name in ("d1", "d2"):
+        distributor._on_device_status(_topic(name), json.dumps(good).encode())
+    assert sorted(distributor.devices()) == ["cam", "d1", "odd"]  # a known device still updates
+    distributor._on_device_status(_topic("cam"), json.dumps({"online": False}).encode())
+    assert distributor.devices()["cam"] == {"online": False}
