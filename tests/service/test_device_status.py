@@ -1,4 +1,4 @@
-"""What status.json keeps of inference devices' statuses: known fields of the right shape, a bounded number."""
+"""What status.json keeps of inference devices' statuses: known, well-formed fields of a bounded number."""
 
 from __future__ import annotations
 
