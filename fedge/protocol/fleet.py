@@ -17,6 +17,7 @@ __all__ = [
     "SUPERLINK_NODE_ID",
     "flower_node_id",
     "is_valid_name",
+    "node_label",
     "validate_name",
 ]
 
@@ -50,6 +51,25 @@ def validate_name(value: str, what: str) -> str:
 
 
 def flower_node_id(name: str) -> int:
-    """The Flower node id of the node named ``name``: stable across processes, never the SuperLink's."""
+    """The Flower node id of the node named ``name``: stable across processes, never the SuperLink's.
+
+    The name is remembered for :func:`node_label` (logs that only have the id can then name the node).
+    """
     value = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") >> 1
-    return value if value > SUPERLINK_NODE_ID else value + SUPERLINK_NODE_ID + 1
+    node_id = value if value > SUPERLINK_NODE_ID else value + SUPERLINK_NODE_ID + 1
+    if node_id not in _NAMES:
+        if len(_NAMES) >= _MAX_NAMES:  # names come from the network: keep the memory bounded
+            _NAMES.clear()
+        _NAMES[node_id] = name
+    return node_id
+
+
+def node_label(node_id: int) -> str:
+    """How logs name a node: ``"cam-3 (8260...)"`` for a node id :func:`flower_node_id` made in this process,
+    else the id alone (a simulation's nodes are numbered, not named)."""
+    name = _NAMES.get(node_id)
+    return f"{name} ({node_id})" if name is not None else str(node_id)
+
+
+_NAMES: dict[int, str] = {}
+_MAX_NAMES = 100_000

@@ -46,6 +46,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedge.compression import CodecError, decode_add
+from fedge.protocol.fleet import node_label
 from fedge.protocol.records import arrays_to_record, record_to_arrays
 from fedge.server.channel import (
     COUNTED_NODES_KEY,
@@ -375,7 +376,9 @@ class FedBuffStrategy(Strategy):
             try:
                 checked = screen_dense_reply(reply.content, model=base, weighted_by_key=self.weighted_by_key)
             except Rejected as rejection:
-                log.warning("version %d: rejected the reply of node %d: %s", label, node, rejection)
+                log.warning(
+                    "version %d: rejected the reply of node %s: %s", label, node_label(node), rejection
+                )
                 rejected[rejection.reason] += 1
                 continue
             model, _ = record_to_arrays(reply.content[checked.arrays_key])

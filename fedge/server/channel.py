@@ -43,6 +43,7 @@ from flwr.app import ArrayRecord, Message, RecordDict
 
 from fedge.compression import Codec, CodecConfigError, Schema, build_codec
 from fedge.protocol.envelope import wire_size
+from fedge.protocol.fleet import node_label
 from fedge.protocol.records import INSTRUCTION_KEY, NOT_COUNTED, UPDATE_KEY, Instruction, arrays_to_record
 from fedge.server.budget import UploadBudget
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
@@ -381,7 +382,9 @@ class CompressedChannel:
 
     def reject(self, server_round: int, node_id: int, rejection: Rejected) -> None:
         """Log and count a rejected reply; an update refused as bad is discarded, not sent again."""
-        log.warning("round %d: rejected the reply of node %d: %s", server_round, node_id, rejection)
+        log.warning(
+            "round %d: rejected the reply of node %s: %s", server_round, node_label(node_id), rejection
+        )
         self.reports.setdefault(server_round, RoundReport()).rejected[rejection.reason] += 1
         if rejection.reason in DISCARDED_REASONS and node_id in self._sent:
             self.discarded[node_id] = self._sent[node_id][0]

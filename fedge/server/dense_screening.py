@@ -30,6 +30,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedge.protocol.arrays import array_to_numpy
+from fedge.protocol.fleet import node_label
 from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.screening import (
     REJECTION_REASONS,
@@ -177,7 +178,10 @@ class ScreenedStrategy(Strategy):
     @staticmethod
     def _reject(server_round: int, reply: Message, rejection: Rejected, rejected: Counter[str]) -> None:
         log.warning(
-            "round %d: rejected the reply of node %d: %s", server_round, reply.metadata.src_node_id, rejection
+            "round %d: rejected the reply of node %s: %s",
+            server_round,
+            node_label(reply.metadata.src_node_id),
+            rejection,
         )
         rejected[rejection.reason] += 1
 

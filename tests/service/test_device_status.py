@@ -29,3 +29,11 @@ def test_only_known_well_formed_fields_of_a_bounded_number_of_devices_are_kept(m
     assert sorted(distributor.devices()) == ["cam", "d1", "odd"]  # a known device still updates
     distributor._on_device_status(_topic("cam"), json.dumps({"online": False}).encode())
     assert distributor.devices()["cam"] == {"online": False}
+
+
+def test_logs_name_a_node_whose_id_was_made_from_its_name():
+    from fedge.protocol.fleet import flower_node_id, node_label
+
+    node_id = flower_node_id("cam-3")
+    assert node_label(node_id) == f"cam-3 ({node_id})"
+    assert node_label(7) == "7"  # a simulation's numbered node
