@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -88,17 +89,18 @@ def quantize_static_int8(
         except Exception as err:  # pre-processing is an optimisation; quantize the original instead
             log.debug("quant_pre_process failed (%s); quantizing the model as exported", err)
             prepared = model_path
-        quantize_static(
-            str(prepared),
-            str(out_path),
-            ArrayCalibrationReader(input_name, calibration, batch_size),
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.MinMax,
-            extra_options={"ActivationSymmetric": False, "WeightSymmetric": True},
-        )
+        with _quantizer_logs():
+            quantize_static(
+                str(prepared),
+                str(out_path),
+                ArrayCalibrationReader(input_name, calibration, batch_size),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                calibrate_method=CalibrationMethod.MinMax,
+                extra_options={"ActivationSymmetric": False, "WeightSymmetric": True},
+            )
     return out_path
 
 
@@ -106,8 +108,30 @@ def quantize_dynamic_int8(model_path: str | Path, out_path: str | Path) -> Path:
     """Write a dynamic int8 variant (int8 weights, activations quantized per run)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(model_path), str(out_path), weight_type=QuantType.QInt8, per_channel=False)
+    with _quantizer_logs():
+        quantize_dynamic(str(model_path), str(out_path), weight_type=QuantType.QInt8, per_channel=False)
     return Path(out_path)
+
+
+@contextlib.contextmanager
+def _quantizer_logs() -> Iterator[None]:
+    """ONNX Runtime's quantizer warns through the root logger ("Please consider to run pre-processing",
+    per-tensor axis notes), and ``logging.warning`` on an unconfigured root configures it: the lines were
+    printed on every export, and every later warning of any library twice. While it runs, the root holds a
+    handler (so nothing configures it) that passes its own lines to this module's log at DEBUG."""
+    handler = _RootToDebug()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+
+
+class _RootToDebug(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "root":
+            log.debug("onnxruntime quantization: %s", record.getMessage())
 
 
 def matmul_fraction(model_path: str | Path) -> float:

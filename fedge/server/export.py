@@ -14,10 +14,12 @@ name until the file has been verified.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
+import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -40,6 +42,8 @@ from fedge.server.model_inputs import (
     is_keyword,
     named_inputs,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ExportConfig", "ExportError", "export_onnx", "export_variants", "verify_onnx"]
 
@@ -341,21 +345,39 @@ def _export_bytes(
                 program.save(buffer, external_data=False)  # type: ignore[union-attr]
                 return buffer.getvalue()
             buffer = io.BytesIO()
-            torch.onnx.export(
-                model,
-                args,
-                buffer,
-                kwargs=kwargs,
-                dynamo=False,
-                opset_version=config.opset,
-                dynamic_axes={name: {0: "batch"} for name in (*tensors, *outputs)},
-                **names,
-            )
+            with _without_torch_ir_dump():
+                torch.onnx.export(
+                    model,
+                    args,
+                    buffer,
+                    kwargs=kwargs,
+                    dynamo=False,
+                    opset_version=config.opset,
+                    dynamic_axes={name: {0: "batch"} for name in (*tensors, *outputs)},
+                    **names,
+                )
             return buffer.getvalue()
     except ExportError:
         raise
     except Exception as err:
         raise ExportError("export", f"{exporter} exporter: {type(err).__name__}: {err}") from err
+
+
+@contextlib.contextmanager
+def _without_torch_ir_dump() -> Iterator[None]:
+    """The TorchScript exporter prints the model's whole TorchScript graph (to stdout) when an operator fails
+    to export (its ONNX log, which it switches on itself): 10-20 lines every round for a model that cannot
+    export, beside the one-line export error that says what failed. The dump goes to this module's log at
+    DEBUG instead (``torch._C._jit_onnx_log`` is private: where it is missing, nothing changes)."""
+    original = getattr(torch._C, "_jit_onnx_log", None)
+    if original is None:
+        yield
+        return
+    torch._C._jit_onnx_log = lambda *parts: log.debug("torch.onnx: %s", " ".join(map(str, parts)))
+    try:
+        yield
+    finally:
+        torch._C._jit_onnx_log = original
 
 
 def _opset_of(data: bytes) -> int:

@@ -1,6 +1,9 @@
 """Export: one self-contained file, opset pinned, dynamic batch, verified against torch, manifest complete."""
 
 import json
+import logging
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -67,10 +70,47 @@ class _Unexportable(nn.Module):
         return torch.from_numpy(np.fft.fft(x.numpy()).real.astype(np.float32))  # leaves the graph
 
 
+class _Fft(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.fft(x).abs()  # no ONNX operator in the pinned opset
+
+
 def test_export_failure_is_an_export_error(tmp_path):
     with pytest.raises(ExportError) as info:
         export_onnx(_Unexportable(), np.ones((2, 4), np.float32), tmp_path / "x.onnx")
     assert info.value.stage in ("export", "verify")
+    with pytest.raises(ExportError, match="fft"):
+        export_onnx(_Fft(), np.ones((2, 4), np.float32), tmp_path / "y.onnx")
+
+
+def test_a_failed_export_prints_no_torchscript_graph(tmp_path):
+    # In its own process: the exporter's dump of the whole graph is written by C++, past pytest's capture.
+    script = (
+        "import numpy as np, torch\n"
+        "from fedge.server.export import ExportError, export_onnx\n"
+        "class Fft(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return torch.fft.fft(x).abs()\n"
+        "for _ in range(2):  # the exporter switches its log on during the first export\n"
+        "    try:\n"
+        f"        export_onnx(Fft(), np.ones((2, 4), np.float32), {str(tmp_path / 'y.onnx')!r})\n"
+        "    except ExportError as err:\n"
+        "        print('failed:', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "failed: ONNX export failed" in done.stdout, done.stderr
+    assert "Torch IR graph" not in done.stdout + done.stderr
+
+
+def test_the_quantizers_root_warnings_go_to_fedges_log_at_debug(caplog):
+    from fedge.inference.quantize import _quantizer_logs
+
+    handlers = list(logging.getLogger().handlers)
+    caplog.set_level(logging.DEBUG, logger="fedge.inference.quantize")
+    with _quantizer_logs():
+        logging.warning("Please consider to run pre-processing before quantization")
+    assert logging.getLogger().handlers == handlers  # logging.warning did not configure the root logger
+    assert "onnxruntime quantization: Please consider" in caplog.text
 
 
 def test_verify_tolerance_is_enforced(cnn, digits_test, tmp_path):
