@@ -175,12 +175,34 @@ class _OneLineClientErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        if "Invalid protocol" in f"{record.getMessage()} {error}":
-            return False
+        message = record.getMessage()
+        if "Invalid protocol" in f"{message} {error}" or message.startswith("No data from"):
+            return False  # "No data from": a client that closed its connection, the normal end of one
         if error is not None:  # a client's bad bytes are the client's problem, not a broker fault
             record.msg, record.args = f"{record.getMessage()}: {type(error).__name__}: {error}", None
             record.exc_info, record.exc_text = None, None
         return True
+
+
+class _AmqttToFedge(logging.Handler):
+    """amqtt's lines under fedge's logger (its configuration decides what shows), what it says of clients
+    (sessions that failed, take-overs: WARNING and below) at INFO: they are the clients' business."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = logging.INFO if record.levelno <= logging.WARNING else record.levelno
+        logger.log(level, "amqtt: %s", record.getMessage())
+
+
+def _client_gone(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """An exception in amqtt's handling of one connection reached asyncio's handler, which printed a
+    traceback in every ``--engine mqtt`` run: a connection that broke while amqtt set it up or closed it
+    (``OSError``), or amqtt's own race on its subscriptions (``RuntimeError: dictionary changed size
+    during iteration``; the client reconnects). One line at INFO instead; other errors go to asyncio."""
+    error = context.get("exception")
+    if isinstance(error, OSError | RuntimeError) and "client_connected_cb" in str(context.get("message")):
+        logger.info("amqtt dropped a client connection: %s: %s", type(error).__name__, error)
+        return
+    loop.default_exception_handler(context)
 
 
 class EmbeddedBroker:
@@ -217,6 +239,11 @@ class EmbeddedBroker:
 
         for name in ("amqtt.broker", "amqtt.mqtt.protocol.broker_handler"):
             logging.getLogger(name).addFilter(_OneLineClientErrors())
+        amqtt_log = logging.getLogger("amqtt")
+        if not any(isinstance(h, _AmqttToFedge) for h in amqtt_log.handlers):
+            amqtt_log.addHandler(_AmqttToFedge())
+            amqtt_log.propagate = False
+        asyncio.get_running_loop().set_exception_handler(_client_gone)
         broker = Broker(self.config())
         await broker.start()
         if ready is not None:
