@@ -75,6 +75,9 @@ def predict(
     except Exception as err:  # ORT's errors name the bad input (shape, dtype)
         raise fail(f"inference failed: {type(err).__name__}: {err}") from None
     outputs = np.concatenate(batches) if batches else np.empty((0, 0), np.float32)
+    broken = int((~np.isfinite(outputs.reshape(len(outputs), -1))).any(axis=1).sum()) if outputs.size else 0
+    if broken:  # NaN in, NaN out: argmax would call every such row class 0
+        typer.echo(f"warning: {broken} of {len(outputs)} rows have NaN or infinite outputs", err=True)
     classify = not raw and is_class_scores(outputs)
     predictions = outputs.argmax(axis=1) if classify else outputs
     if out is not None:

@@ -244,6 +244,11 @@ class ModelServer:
                 inputs = session.get_inputs()
                 if not inputs:
                     raise ModelCheckError("load", "the model has no inputs")
+                named = [spec.name for spec in manifest.inputs] if manifest is not None else []
+                if named and named != [i.name for i in inputs]:  # the manifest describes another model
+                    raise ModelCheckError(
+                        "manifest", f"it names inputs {named}, the model takes {[i.name for i in inputs]}"
+                    )
                 input_types = {i.name: onnx_dtype(i.type) for i in inputs}
                 accuracy = self._check_canary(session, inputs[0].name, input_types, canary)
             except ModelCheckError as err:

@@ -151,3 +151,13 @@ def test_malformed_manifests_end_in_one_line(variants, tmp_path):
     with pytest.raises(ValueError, match="manifest sha256 must be 64 hex digits"):
         Manifest.from_dict({**good, "sha256": "zz"})
     assert Manifest.from_dict(good) == manifest
+
+
+def test_rows_with_nan_outputs_are_warned_about(variants, digits_test, tmp_path):
+    inputs = digits_test[0][:4].copy()
+    inputs[1] = np.nan
+    np.save(tmp_path / "nan.npy", inputs)
+    result = runner.invoke(
+        app, ["predict", "--model", str(variants["fp32"][0]), "--input", str(tmp_path / "nan.npy")]
+    )
+    assert result.exit_code == 0 and "warning: 1 of 4 rows have NaN or infinite outputs" in result.output

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fedge.inference import Canary, ModelServer, SessionConfig, read_manifest, sha256_bytes
+from fedge.inference.manifest import TensorSpec
 
 
 def _model_bytes(path):
@@ -90,7 +91,9 @@ def test_in_flight_request_finishes_on_the_old_session(variants, digits_test):
     assert old.session.run(None, {old.input_name: digits_test[0][:2]})[0].shape == (2, 10)  # still usable
 
 
-@pytest.mark.parametrize("failure", ["checksum", "opset", "load", "canary-nonfinite", "canary-accuracy"])
+@pytest.mark.parametrize(
+    "failure", ["checksum", "opset", "load", "manifest", "canary-nonfinite", "canary-accuracy"]
+)
 def test_bad_model_keeps_the_old_one_and_says_why(variants, digits_test, failure):
     server = ModelServer()
     server.load(variants["fp32"][0])
@@ -103,6 +106,8 @@ def test_bad_model_keeps_the_old_one_and_says_why(variants, digits_test, failure
     elif failure == "load":
         data = b"not an onnx model" * 10
         manifest = manifest.with_(sha256=sha256_bytes(data))
+    elif failure == "manifest":  # the manifest of another model: its input is not this graph's
+        manifest = manifest.with_(inputs=(TensorSpec("pixels", ("batch", 1, 8, 8)),))
     elif failure == "canary-nonfinite":
         data = _nan_model()
         manifest = manifest.with_(sha256=sha256_bytes(data))
