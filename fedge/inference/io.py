@@ -40,6 +40,9 @@ def read_inputs(path: str | Path) -> np.ndarray:
         raise InputError(f"input file {path} does not exist")
     try:
         if path.suffix == ".npy":
+            with open(path, "rb") as handle:  # numpy reads anything else as a pickle, and says so
+                if handle.read(6) != b"\x93NUMPY":
+                    raise InputError(f"{path} is not a .npy file (no .npy header)")
             # mapped first: a header claiming more values than the file holds is refused, not allocated
             data = np.array(np.load(path, mmap_mode="r", allow_pickle=False))
         elif path.suffix in (".csv", ".txt"):
