@@ -99,5 +99,5 @@ def test_the_threshold_is_an_app_setting_that_reaches_the_strategy():
     off = AppConfig(**settings, max_similarity=2.0)
     assert build_strategy(off).robust.max_similarity == 2.0
     assert AppConfig.from_run_config(off.to_run_config()).max_similarity == 2.0
-    with pytest.raises(ConfigError, match="max_similarity must be > 0"):
+    with pytest.raises(ConfigError, match="max_similarity must be a number, got nan"):
         AppConfig(max_similarity=float("nan"))
