@@ -374,7 +374,9 @@ class FedBuffStrategy(Strategy):
             if base is None:
                 continue  # its version is no longer held: nothing to measure the update against
             try:
-                checked = screen_dense_reply(reply.content, model=base, weighted_by_key=self.weighted_by_key)
+                checked = screen_dense_reply(
+                    reply.content, model=base, weighted_by_key=self.weighted_by_key, measure_norm=False
+                )
             except Rejected as rejection:
                 log.warning(
                     "version %d: rejected the reply of node %s: %s", label, node_label(node), rejection

@@ -21,6 +21,7 @@ has (a node cannot make the round fail by adding or leaving out a metric).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
@@ -101,7 +102,10 @@ class ScreenedStrategy(Strategy):
                 continue
             try:
                 checked = screen_dense_reply(
-                    reply.content, model=self._model, weighted_by_key=self.weighted_by_key
+                    reply.content,
+                    model=self._model,
+                    weighted_by_key=self.weighted_by_key,
+                    measure_norm=math.isfinite(self.screen.max_norm_ratio),  # only the norm test needs it
                 )
             except Rejected as rejection:
                 self._reject(server_round, reply, rejection, rejected)
@@ -199,6 +203,11 @@ def _conform(replies: list[Message]) -> None:
     shared = set.intersection(*metric_sets)
     for reply, names in zip(replies, metric_sets, strict=True):
         content = reply.content
+        as_wanted = isinstance(content.get(arrays_key), ArrayRecord) and isinstance(
+            content.get(metrics_key), MetricRecord
+        )
+        if names == shared and as_wanted:
+            continue  # as Flower wants it already (every reply of an honest round)
         arrays = next(r for r in content.values() if isinstance(r, ArrayRecord))
         metrics = next(r for r in content.values() if isinstance(r, MetricRecord))
         if names != shared:

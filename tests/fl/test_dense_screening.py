@@ -129,3 +129,16 @@ def test_a_client_whose_training_diverges_is_rejected_and_the_run_trains_on(stra
     assert sum(r.extra["rejected_non_finite"] for r in history.rounds) >= 1
     assert all(r.extra["rejected"] == r.extra["rejected_non_finite"] for r in history.rounds)
     assert math.isfinite(history.rounds[-1].loss) and history.rounds[-1].accuracy > 0.5
+
+
+def test_records_under_each_others_names_do_not_fail_the_round():
+    strategy = _strategy()
+    swapped = _reply(2, None, None)
+    swapped.content = RecordDict(
+        {
+            "metrics": ArrayRecord({k: Array(np.full_like(v, 3)) for k, v in MODEL.items()}),
+            "arrays": MetricRecord({"num-examples": 10.0, "train_loss": 0.5}),
+        }
+    )
+    arrays, _ = strategy.aggregate_train(1, [_honest(1, 1.0), swapped])
+    np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 2.0))
