@@ -169,13 +169,19 @@ class DenseReply:
 
 
 def screen_dense_reply(
-    content: RecordDict, *, model: Mapping[str, np.ndarray], weighted_by_key: str, measure_norm: bool = True
+    content: RecordDict,
+    *,
+    model: Mapping[str, np.ndarray],
+    weighted_by_key: str,
+    measure_norm: bool = True,
+    check_finite: bool = True,
 ) -> DenseReply:
     """Check one uncompressed reply against the round's global ``model``; raise :class:`Rejected` naming
     what is wrong: not exactly one ArrayRecord (``no_update``), no usable weight, unreadable arrays,
     other tensor names or shapes than the model's or values that are not real numbers (``wrong_tensors``),
     NaN or infinity (``non_finite``). ``measure_norm``: also measure the update's norm (in float64, a pass
-    over the model; without it :attr:`DenseReply.norm` is 0)."""
+    over the model; without it :attr:`DenseReply.norm` is 0). ``check_finite=False`` leaves the values
+    unchecked (a caller that checks the aggregate instead, and each reply only when that is not finite)."""
     records = [(key, record) for key, record in content.items() if isinstance(record, ArrayRecord)]
     if len(records) != 1:
         raise Rejected("no_update", f"expected one ArrayRecord of model weights, found {len(records)}")
@@ -198,7 +204,7 @@ def screen_dense_reply(
                 f"tensor {name!r} is {values.dtype}{list(values.shape)}, the model's "
                 f"{reference.dtype}{list(reference.shape)}",
             )
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
+        if check_finite and values.dtype.kind == "f" and not np.isfinite(values).all():
             raise Rejected("non_finite", f"tensor {name!r} holds NaN or infinity")
         if measure_norm and values.dtype.kind == "f":
             step = values.astype(np.float64).reshape(-1) - reference.astype(np.float64).reshape(-1)
