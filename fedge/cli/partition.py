@@ -17,6 +17,7 @@ with the batch first; the batch dimension is made symbolic on export. ``--device
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ _DEVICES = typer.Option(..., "--devices", help="Fleet TOML file ([[device]] tabl
 _OBJECTIVE = typer.Option(
     "throughput", "--objective", help="'throughput' (pipeline) or 'latency' (one batch)."
 )
-_BATCH = typer.Option(1, "--batch", help="Examples per batch to plan for.")
+_BATCH = typer.Option(1, "--batch", min=1, help="Examples per batch to plan for.")
 _BOUNDARY = typer.Option("fp32", "--boundary", help="Encoding between stages: fp32, fp16 or int8.")
 _OUT = typer.Option(Path("runs/partition"), "--out", help="Directory for plan.json, plan.png, stages.")
 _CALIBRATE = typer.Option(False, "--calibrate", help="Time ONNX Runtime on this host for node costs.")
@@ -46,10 +47,17 @@ def _load_model(spec: str) -> tuple[Any, Any]:
     factory = import_attribute(spec, "--model")
     if factory is None or not callable(factory):
         raise ValueError(f"--model {spec!r} names no callable factory")
-    made = factory()
+    try:
+        made = factory()
+    except Exception as err:  # the user's factory: its failure is one line naming it
+        raise ValueError(f"--model {spec!r} raised {type(err).__name__}: {_first_line(err)}") from None
     if not (isinstance(made, tuple) and len(made) == 2):
         raise ValueError(f"--model {spec!r} must return (model, example_input)")
     return made
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def _planned(
@@ -61,15 +69,24 @@ def _planned(
     from fedge.partitioning.calibrate import calibrate as run_calibration
     from fedge.partitioning.onnx_graph import capture
 
+    if calibrate and not (math.isfinite(host_flops) and host_flops > 0):
+        raise ValueError(f"--host-flops must be a positive number, got {host_flops}")
     fleet = load_fleet(devices)
     torch_model, example = _load_model(model)
-    onnx_model, graph, feeds = capture(torch_model, example)
+    try:
+        onnx_model, graph, feeds = capture(torch_model, example)
+    except Exception as err:  # not a torch module, an input it cannot take, an op ONNX lacks, ...
+        raise ValueError(
+            f"--model {model!r}: cannot capture its graph: {type(err).__name__}: {_first_line(err)}"
+        ) from None
     feeds = {k: np.concatenate([v[:1]] * batch) for k, v in feeds.items()}
     cal = run_calibration(onnx_model, graph, feeds, host_flops_per_s=host_flops) if calibrate else None
     cost = CostModel(graph, fleet, batch=batch, boundary=boundary, calibration=cal)
     result = plan(cost, objective)
     if not result.feasible:
-        raise ValueError("no partition fits the devices' memory")
+        raise ValueError(
+            "no partition is feasible on these devices (their memory, or a stage no device or link can carry)"
+        )
     return onnx_model, graph, feeds, result
 
 
@@ -126,8 +143,12 @@ def partition_export(
 
 def partition_run(
     out: Path = _OUT,
-    micro_batch: int = typer.Option(0, "--micro-batch", help="Examples per micro-batch (0: whole batch)."),
-    repeat: int = typer.Option(8, "--repeat", help="Copies of the example input batch to push through."),
+    micro_batch: int = typer.Option(
+        0, "--micro-batch", min=0, help="Examples per micro-batch (0: whole batch)."
+    ),
+    repeat: int = typer.Option(
+        8, "--repeat", min=1, help="Copies of the example input batch to push through."
+    ),
     broker: str = typer.Option(
         "",
         "--broker",
@@ -152,12 +173,16 @@ def partition_run(
         return
     if not (out / "manifest.json").exists():
         raise fail(f"no manifest.json in {out}: run 'fedge partition export' first")
-    runner = load_runner(out)
-    with np.load(out / "example_input.npz") as data:
-        feeds = {k: np.concatenate([data[k]] * repeat) for k in data.files}
-    outputs = runner.run(feeds, micro_batch or None)
-    full = OrtExecutor(str(out / "model.onnx")).run(feeds)
-    diff = max(float(np.abs(outputs[k] - full[k]).max()) for k in outputs)
+    try:  # anything wrong with the directory's files (edited, truncated, mixed up) is one line
+        runner = load_runner(out)
+        with np.load(out / "example_input.npz", allow_pickle=False) as data:
+            feeds = {k: np.concatenate([data[k]] * repeat) for k in data.files}
+        outputs = runner.run(feeds, micro_batch or None)
+        full = OrtExecutor(str(out / "model.onnx")).run(feeds)
+        diff = max(float(np.abs(outputs[k] - full[k]).max()) for k in outputs)
+    except Exception as err:  # json, KeyError, TypeError, OSError, ONNX Runtime's errors, ...
+        reason = (str(err).strip().splitlines() or [""])[0][:300]
+        raise fail(f"cannot run the stages in {out}: {type(err).__name__}: {reason}") from None
     typer.echo(
         f"{len(runner.executors)} stages, {len(next(iter(feeds.values())))} examples in "
         f"{runner.stats.wall_s:.3f} s; "

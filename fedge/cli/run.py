@@ -154,7 +154,8 @@ def simulate(
         with RoundProgress(sim.app.rounds, console) as progress:
             history = run_simulation(sim, listeners=[progress.update, lambda m: completed.append(m.round)])
     except RunFailed as err:
-        hint = "" if "rejected by screening" in str(err) else " (-v shows the whole client traceback)"
+        traceback = "first:" in str(err) and "rejected by screening" not in str(err)  # a client's error
+        hint = " (-v shows the whole client traceback)" if traceback else ""
         typer.echo(f"error: {err}{hint}", err=True)
         raise typer.Exit(1) from None
     except ConfigError as err:  # e.g. a task whose evaluate() returns no accuracy

@@ -66,6 +66,11 @@ class Calibration:
     io_seconds_per_byte: float = 0.0
     class_scales: tuple[float, ...] = ()
 
+    def __post_init__(self) -> None:
+        # a rate of 0 plans at infinite speed, a negative one never ends the throughput search
+        if not (math.isfinite(self.host_flops_per_s) and self.host_flops_per_s > 0):
+            raise ValueError(f"host_flops_per_s must be a positive number, got {self.host_flops_per_s}")
+
 
 class CostModel:
     """Costs of every contiguous segment on every device of a fleet, for one batch size and boundary encoding.

@@ -118,9 +118,12 @@ class OrtExecutor:
             model, session_options(threads), providers=["CPUExecutionProvider"]
         )
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.inputs = [i.name for i in self.session.get_inputs()]
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self.outputs, self.session.run(self.outputs, inputs), strict=True))
+        # only what this stage reads: a prefix of a two-input model may not take the second input at all
+        feeds = {name: inputs[name] for name in self.inputs}
+        return dict(zip(self.outputs, self.session.run(self.outputs, feeds), strict=True))
 
 
 @dataclass

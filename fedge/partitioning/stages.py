@@ -107,6 +107,12 @@ def load_runner(out_dir: str | Path, threads: int = 1, boundary: str | None = No
     out = Path(out_dir)
     manifest: dict[str, Any] = json.loads((out / "manifest.json").read_text())
     stages = [StageArtifact(**s) for s in manifest["stages"]]
+    if not stages:
+        raise ValueError(f"{out / 'manifest.json'} lists no stages")
+    root = out.resolve()
+    for stage in stages:  # a manifest names files in its own directory, never elsewhere
+        if not (out / stage.path).resolve().is_relative_to(root):
+            raise ValueError(f"stage file {stage.path!r} lies outside {out}")
     executors = [OrtExecutor(str(out / s.path), threads) for s in stages]
     return LocalRunner(
         executors,

@@ -36,6 +36,7 @@ from flwr.app import Message, MessageType
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
+from fedge.config import ConfigError
 from fedge.devices.clock import ClientTiming, select_replies, time_client
 from fedge.devices.fleet import ClientProfile, LinkProfile
 from fedge.devices.traces import AvailabilityTrace
@@ -43,6 +44,7 @@ from fedge.flower.compat import Run, set_message_id
 from fedge.flower.grid import RunGrid
 from fedge.flower.node import error_reply
 from fedge.protocol.envelope import wire_size
+from fedge.server.runner import RunFailed
 from fedge.server.schedule import Schedule
 
 __all__ = ["ClockGrid", "Schedule"]
@@ -107,6 +109,13 @@ class ClockGrid(RunGrid):
         self._queued: dict[str, tuple[float, int, Message, dict[str, Any]]] = {}  # pushed id -> arrival
         self._async_rows: list[dict[str, Any]] = []  # timeline of the replies pulled since the last take
         self._taken_s = 0.0  # the clock at the last take_round
+        if self.schedule.memory_aware and not any(map(self._fits, self._client_of)):
+            largest = max(p.compute.memory_bytes for p in self._profiles)
+            needed = self.schedule.training_memory_bytes
+            raise ConfigError(  # Flower's sampling would wait for a node forever
+                f"schedule.training_memory_bytes: no client can hold training ({needed:.3g} bytes; the "
+                f"largest device has {largest:.3g})"
+            )
         self._pushed = 0
         if isinstance(inner, RunGrid):
             inner.on_wire = self._on_inner_wire
@@ -126,7 +135,12 @@ class ClockGrid(RunGrid):
         if self.schedule.availability_aware and self._trace is not None:
             available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
             if not available and nodes and not self._queued:  # nobody is there: wait for the first
-                self.now_s = min(self._trace.next_available(self._client_of[n], self.now_s) for n in nodes)
+                first = min(self._trace.next_available(self._client_of[n], self.now_s) for n in nodes)
+                if not math.isfinite(first):  # Flower's sampling would wait for a node forever
+                    raise RunFailed(
+                        f"no client of the availability trace is available after t = {self.now_s:.1f} s"
+                    )
+                self.now_s = first
                 available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
             nodes = available
         return nodes

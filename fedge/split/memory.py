@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from fedge.config import ConfigError
 from fedge.devices.budget import can_train, training_memory_bytes
 from fedge.devices.fleet import ClientProfile
 from fedge.split.model import as_chain, block_cuts, segment
@@ -49,6 +50,19 @@ class MemoryConfig:
     extra_model_copies: int = 2
     usable_fraction: float = 0.9
     cut_policy: Literal["shallowest", "least_traffic"] = "shallowest"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.extra_model_copies >= 0, f"extra_model_copies must be >= 0, got {self.extra_model_copies}"),
+            (
+                0.0 < self.usable_fraction <= 1.0,
+                f"usable_fraction must be in (0, 1], got {self.usable_fraction}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,24 @@ def test_a_client_whose_memory_cannot_hold_training_is_never_sampled():
     assert devices == {"pi4_wifi"}
 
 
+def test_a_fleet_that_can_never_train_ends_in_one_line_not_a_wait():
+    # Flower's sampling waited forever for a node the grid would never offer
+    with pytest.raises(ConfigError, match="no client can hold training"):
+        _run(Schedule(memory_aware=True, training_memory_bytes=1e30), rounds=1)
+
+
+def test_an_availability_trace_with_nobody_ever_available_ends_the_run(tmp_path):
+    import pickle
+
+    from fedge.server.runner import RunFailed
+
+    trace = tmp_path / "nobody.pkl"  # FedScale's format: nobody is ever active
+    empty = {"duration": 100.0, "active": [], "inactive": [], "finish_time": 100.0}
+    trace.write_bytes(pickle.dumps({i: dict(empty) for i in range(8)}))
+    with pytest.raises(RunFailed, match="no client of the availability trace is available"):
+        _run(Schedule(availability_aware=True), availability=str(trace), rounds=1)
+
+
 def test_an_adaptive_deadline_grows_until_the_slow_gateways_are_in():
     """Gateways cut off by the first deadline count at the round's length, so the deadline grows x1.5 a
     round until their replies make it (it used to follow only the replies it let in: the Pis')."""
