@@ -46,8 +46,12 @@ class AuditLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        torn = _ends_mid_line(path)
         self._handle = path.open("a")
         self._lock = threading.Lock()
+        if torn:  # a crash mid-write left half a line: end it, or the next event would be glued onto it
+            self._handle.write("\n")
+            self._handle.flush()
 
     def write(self, event: dict[str, Any]) -> None:
         """Append one event (the transport's ``audit`` callback)."""
@@ -115,6 +119,19 @@ def counted_rounds(path: str | Path) -> dict[str, list[int]]:
     return {node: sorted(rounds) for node, rounds in sorted(_scan(Path(path))[0].items())}
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file exists, is not empty, and its last byte is not a line break."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() == 0:
+                return False
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) != b"\n"
+    except OSError:  # missing (a fresh log) or unreadable (opening it for appending says why)
+        return False
+
+
 def _scan(path: Path) -> tuple[dict[str, set[int]], dict[int, set[str]], set[int]]:
     """Replay the log: (counted rounds per node, accepted-but-unsettled nodes per round, committed rounds)."""
     counted: dict[str, set[int]] = defaultdict(set)
@@ -122,7 +139,7 @@ def _scan(path: Path) -> tuple[dict[str, set[int]], dict[int, set[str]], set[int
     committed: set[int] = set()
     if not path.exists():
         return counted, pending, committed
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # a damaged line is skipped, not fatal
         try:
             event = json.loads(line)
             if event.get("event") == "run-start":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -71,5 +72,8 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
                 )
             )
         return ResumePoint(int(meta["round"]), arrays, history, strategy_state)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"checkpoint {path} cannot be read: {err}") from None
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
+        # numpy's own words for a damaged file mislead ("pickled data ... load it unsafely")
+        raise ConfigError(
+            f"checkpoint {path} is damaged (truncated or not a checkpoint): {type(err).__name__}"
+        ) from None

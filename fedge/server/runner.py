@@ -26,6 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedge.config import ConfigError
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
 from fedge.server.metered_grid import MeteredGrid
 
@@ -145,6 +146,7 @@ def run_rounds(
     strategy = reporter = run.strategy  # reporter: unwrapped, for per-round figures
     initial_arrays, done = run.initial_arrays, 0
     if resume is not None:
+        _check_same_model(resume.arrays, run.initial_arrays)
         done, initial_arrays = resume.completed_round, resume.arrays
         history.rounds = list(resume.history.rounds)
         history.initial_accuracy = resume.history.initial_accuracy
@@ -216,6 +218,20 @@ def run_rounds(
             write_run_outputs(history, run.out_dir)
     failures.check_run(history)
     return history
+
+
+def _check_same_model(saved: ArrayRecord, fresh: ArrayRecord) -> None:
+    """A checkpoint resumes only the model it was made of (same tensor names and shapes)."""
+    shapes = {name: tuple(array.shape) for name, array in saved.items()}
+    if shapes != {name: tuple(array.shape) for name, array in fresh.items()}:
+        differ = (
+            sorted(set(shapes) ^ set(fresh.keys()))[:3]
+            or [n for n, a in fresh.items() if shapes.get(n) != tuple(a.shape)][:3]
+        )
+        raise ConfigError(
+            f"the checkpoint holds another model than this run's (tensors differ: {', '.join(differ)}): "
+            "resume with the task it was made with, or start afresh without --resume"
+        )
 
 
 def _evaluation_extras(result: Mapping[str, Any]) -> dict[str, float]:

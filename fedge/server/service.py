@@ -209,6 +209,8 @@ def _run_service(
     resume_point = load_checkpoint(state_dir) if resume else None
     if resume_point is not None:
         log.info("resuming after round %d", resume_point.completed_round)
+    elif resume:
+        log.warning("--resume: no checkpoint in %s, so the run starts at round 1", state_dir)
     set_task_identity(run_id=config.run_id)
     strategy = run.strategy
     with (
