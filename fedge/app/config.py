@@ -217,6 +217,7 @@ class AppConfig:
                 object.__setattr__(self, key, preset.get(key, default))
         checks = [
             (self.rounds >= 1, "rounds must be >= 1"),
+            (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
             (0.0 < self.fraction_train <= 1.0, "fraction_train must be in (0, 1]"),
             (self.local_epochs >= 1, "local_epochs must be >= 1"),
             (0.0 < self.learning_rate < math.inf, "learning_rate must be > 0 and finite"),

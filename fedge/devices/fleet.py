@@ -15,6 +15,7 @@ catalogue figure and says which are estimates::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,10 +71,11 @@ class ComputeProfile:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("flops_per_s", "encode_bytes_per_s", "decode_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.memory_bytes < 0:
-            raise ConfigError(f"memory_bytes must be >= 0, got {self.memory_bytes}")
+            # below 1 a second is no device (1e-300 gave 1e305-second rounds); infinite is no device either
+            if not 1.0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be >= 1 and finite, got {getattr(self, name)}")
+        if not 0 <= self.memory_bytes < math.inf:
+            raise ConfigError(f"memory_bytes must be >= 0 and finite, got {self.memory_bytes}")
 
     @classmethod
     def from_device(
@@ -137,11 +139,16 @@ class LinkProfile:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("uplink_bytes_per_s", "downlink_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("latency_s", "disconnects_per_s", "disconnects_per_mb", "reconnect_s"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not 1.0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be >= 1 and finite, got {getattr(self, name)}")
+        for name in ("latency_s", "reconnect_s"):  # an infinite one put replies at t = inf, "accepted"
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
+        for name in ("disconnects_per_s", "disconnects_per_mb"):  # beyond, the Poisson draw overflows
+            if not 0 <= getattr(self, name) <= _MAX_DISCONNECT_RATE:
+                raise ConfigError(
+                    f"{name} must be in [0, {_MAX_DISCONNECT_RATE:g}], got {getattr(self, name)}"
+                )
         if self.resend_window_bytes < 1:
             raise ConfigError(f"resend_window_bytes must be >= 1, got {self.resend_window_bytes}")
 
@@ -167,6 +174,8 @@ class ClientProfile:
     def __post_init__(self) -> None:
         check_types(self)
 
+
+_MAX_DISCONNECT_RATE = 1000.0  # per second or per MB: a link that drops a thousand times a second is down
 
 MiB = 2**20
 _MBIT = mbit_per_s(1)
@@ -235,11 +244,13 @@ class FleetConfig:
         for name, share in self.mix.items():
             if name not in known:
                 raise ConfigError(f"mix.{name} is not a known class; known: {', '.join(sorted(known))}")
-            if isinstance(share, bool) or not isinstance(share, int | float) or not share >= 0:
-                raise ConfigError(f"mix.{name} must be a number >= 0, got {share!r}")
+            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < math.inf:
+                raise ConfigError(f"mix.{name} must be a finite number >= 0, got {share!r}")
             mix[name] = float(share)
-        if sum(mix.values()) <= 0:
-            raise ConfigError("mix shares must not all be 0")
+        if not 0 < sum(mix.values()) < math.inf:
+            raise ConfigError("mix shares must not all be 0, nor sum beyond a float")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         object.__setattr__(self, "mix", mix)
 
     def profile(self, name: str) -> ClientProfile:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -97,7 +98,9 @@ link = {uplink_bytes_per_s = 1000, downlink_bytes_per_s = 2000, latency_s = 0.5}
     ("text", "message"),
     [
         ("[fleet]\nmix = {pi5 = 1.0}", "mix.pi5 is not a known class"),
-        ("[fleet]\nmix = {pi4_wifi = -1}", "mix.pi4_wifi must be a number >= 0"),
+        ("[fleet]\nmix = {pi4_wifi = -1}", "mix.pi4_wifi must be a finite number >= 0"),
+        ("[fleet]\nmix = {pi4_wifi = inf}", "mix.pi4_wifi must be a finite number >= 0"),
+        ("[fleet]\nmix = {pi4_wifi = 1}\nseed = -5", "seed must be >= 0"),
         ("[fleet]\nmix = {pi4_wifi = 0}", "must not all be 0"),
         ("[fleet]\nmix = {pi4_wifi = 1}\nsede = 3", "unknown key 'fleet.sede'"),
         ("[fleet]\nseed = 3", "missing key 'fleet.mix'"),
@@ -122,6 +125,14 @@ def test_profiles_refuse_impossible_values():
         ComputeProfile(0, 1, 1, 1)
     with pytest.raises(ConfigError):
         ClientProfile(compute="fast", link=LinkProfile(1, 1))  # type: ignore[arg-type]
+    # finite and physical: these put replies at t = inf, rounds at 1e305 s, or overflowed the Poisson draw
+    for bad in ({"latency_s": math.inf}, {"reconnect_s": math.inf}, {"disconnects_per_s": 1e30}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            LinkProfile(1, 1, **bad)
+    with pytest.raises(ConfigError, match="uplink_bytes_per_s must be >= 1 and finite"):
+        LinkProfile(1e-300, 1)
+    with pytest.raises(ConfigError, match="flops_per_s must be >= 1 and finite"):
+        ComputeProfile(math.inf, 1, 1, 1)
 
 
 def test_compute_profile_from_a_measured_device():
