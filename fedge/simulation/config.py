@@ -76,6 +76,15 @@ class SimulationConfig:
             raise ConfigError(f"workers must be >= 1, got {self.workers!r}")
         if self.fleet is not None and self.engine == "mqtt":
             raise ConfigError("a simulated fleet runs on the local or ray engine (mqtt runs in real time)")
+        if (
+            self.fleet is None and self.engine != "mqtt"
+        ):  # they act on the simulated clock, which a fleet drives
+            if self.availability:
+                raise ConfigError("availability needs a [fleet] (the simulated clock it applies to)")
+            if self.schedule != Schedule():
+                raise ConfigError(
+                    "a [schedule] needs a [fleet] on the local and ray engines (simulated time)"
+                )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SimulationConfig:

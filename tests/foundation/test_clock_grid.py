@@ -101,3 +101,12 @@ def test_a_run_ends_after_the_round_that_spends_its_simulated_time_budget():
     assert len(clocks) < 30
     with pytest.raises(ConfigError, match="sim_time_budget_s"):
         AppConfig(sim_time_budget_s=-1.0)
+
+
+def test_a_schedule_or_availability_without_a_fleet_is_refused():
+    # they act on the simulated clock: without a fleet they were silently ignored (a 1 ns deadline let all in)
+    with pytest.raises(ConfigError, match=r"a \[schedule\] needs a \[fleet\]"):
+        SimulationConfig(clients=4, schedule=Schedule(deadline_s=1e-9))
+    with pytest.raises(ConfigError, match=r"availability needs a \[fleet\]"):
+        SimulationConfig(clients=4, availability="random")
+    SimulationConfig(clients=4, engine="mqtt", schedule=Schedule(deadline_s=5.0))  # real time over MQTT
