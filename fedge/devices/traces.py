@@ -157,6 +157,8 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
     table = _read(path, max_bytes)
     if not isinstance(table, dict):
         raise TraceError(f"{path}: availability trace must be a dict, got {type(table).__name__}")
+    if not table:
+        raise TraceError(f"{path}: availability trace has no clients")
     intervals, periods = {}, {}
     for client, entry in table.items():
         if not isinstance(entry, dict):
@@ -166,10 +168,18 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
             raise TraceError(f"{path}: client {client!r} needs 'active' and 'inactive' lists of equal length")
         starts = [_number(v, f"client {client!r} active") for v in active]
         ends = [_number(v, f"client {client!r} inactive") for v in inactive]
+        for start, end in zip(starts, ends, strict=True):  # a reversed or empty interval is a broken trace
+            if not 0 <= start < end:
+                raise TraceError(
+                    f"{path}: client {client!r} has the interval [{start:g}, {end:g}): "
+                    "want 0 <= active < inactive"
+                )
         period = _number(
             entry.get("finish_time") or entry.get("duration") or 0, f"client {client!r} finish_time"
         )
-        if period <= 0:
+        if period < 0:
+            raise TraceError(f"{path}: client {client!r} has a negative finish_time or duration")
+        if period == 0:
             period = max(ends, default=0.0)
         if period <= 0:
             raise TraceError(f"{path}: client {client!r} has no positive finish_time or duration")

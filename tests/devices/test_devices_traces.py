@@ -103,6 +103,15 @@ def test_bad_availability_traces(tmp_path):
         read_availability(tmp_path / "junk.pkl")
     with pytest.raises(TraceError, match="more than"):
         read_availability(write(tmp_path, TRACE), max_bytes=10)
+    for active, inactive in [([30], [10]), ([-100], [-50]), ([10], [10])]:  # reversed, negative, empty
+        with pytest.raises(TraceError, match="want 0 <= active < inactive"):
+            read_availability(
+                write(tmp_path, {1: {"active": active, "inactive": inactive, "finish_time": 99}})
+            )
+    with pytest.raises(TraceError, match="negative finish_time"):
+        read_availability(write(tmp_path, {1: {"active": [1], "inactive": [2], "finish_time": -5}}))
+    with pytest.raises(TraceError, match="has no clients"):
+        read_availability(write(tmp_path, {}))
 
 
 def test_remap_is_seeded():
