@@ -77,6 +77,17 @@ class SplitSimulationRun:
         learning would need different cuts.
     """
 
+    def _check_labels(self) -> None:
+        """Split training's cross-entropy needs class labels the model's outputs have: say so in one line."""
+        with torch.no_grad():
+            classes = int(self.model(self.test[0][:1]).shape[-1])
+        for client, (_, labels) in [*enumerate(self.data), ("test set", self.test)]:
+            if len(labels) and not (int(labels.min()) >= 0 and int(labels.max()) < classes):
+                raise ConfigError(
+                    f"split training: the labels of {'client ' if client != 'test set' else ''}{client} run "
+                    f"from {int(labels.min())} to {int(labels.max())}; the model has {classes} outputs"
+                )
+
     def __init__(self, config: SplitSimulation) -> None:
         self.config = config
         app = config.sim.app
@@ -103,8 +114,12 @@ class SplitSimulationRun:
                 f"chain has {len(chain)} layers, so cuts must be in 1..{end - 1}"
             )
         self.plans: list[ClientPlan]
+        if not len(self.test[1]):
+            raise ConfigError("split training needs a test set with at least one example")
+        example = self.test[0][0]  # one example (a client's partition may be empty)
+        self._check_labels()
         self.plans, memory = plan_fleet(
-            self.model, self.data[0][0][0], self.profiles, settings.memory_config(app), cuts=cuts
+            self.model, example, self.profiles, settings.memory_config(app), cuts=cuts
         )
         self.memory = {name: stage.total_bytes for name, stage in memory.items()}
         if all(p.mode == "none" for p in self.plans):

@@ -111,3 +111,26 @@ def test_a_task_with_its_own_training_is_refused_for_split(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "has its own evaluate(); split training runs its own cross-entropy" in result.output
+
+
+def test_labels_the_model_cannot_output_are_one_line(tmp_path):
+    (tmp_path / "labels.py").write_text(
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Label99(DigitsTask):\n"
+        "    def load_partition(self, partition_id, num_partitions, **split):\n"
+        "        features, labels = super().load_partition(partition_id, num_partitions, **split)\n"
+        "        labels = labels.clone()\n"
+        "        labels[0] = 99\n"
+        "        return features, labels\n"
+    )
+    args = [
+        "simulate",
+        "--split",
+        "--task",
+        f"{tmp_path / 'labels.py'}:Label99",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "the labels of client 0 run from 0 to 99; the model has 10 outputs" in result.output
