@@ -7,6 +7,7 @@ computed from device profiles, on the local and Ray engines) and real time
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,8 +66,12 @@ class Schedule:
             raise ConfigError(f"deadline_s must be > 0, got {self.deadline_s}")
         if not 0 < self.deadline_quantile <= 1 or self.deadline_slack < 1:
             raise ConfigError("deadline_quantile must be in (0, 1] and deadline_slack >= 1")
-        if self.over_select < 1:
-            raise ConfigError(f"over_select must be >= 1, got {self.over_select}")
+        if not 1 <= self.over_select < math.inf:
+            raise ConfigError(f"over_select must be >= 1 and finite, got {self.over_select}")
+        if not 0 <= self.training_memory_bytes < math.inf:
+            raise ConfigError(
+                f"training_memory_bytes must be >= 0 and finite, got {self.training_memory_bytes}"
+            )
 
     def next_deadline(self, delays: Sequence[float]) -> float | None:
         """The deadline of the next round, seconds (None: none).

@@ -341,6 +341,7 @@ class _StatusWriter:
         for row in resume.history.rounds if resume else ():
             self._export.update(_export_state(row))
         self._stop = threading.Event()
+        self._write_failed = False
         self._thread = threading.Thread(target=self._loop, name="fedge-status", daemon=True)
 
     def on_round(self, metrics: RoundMetrics) -> None:
@@ -363,7 +364,14 @@ class _StatusWriter:
             "updated_at": time.time(),
             "pid": os.getpid(),
         }
-        write_json_atomic(self._path, status)
+        try:
+            write_json_atomic(self._path, status)
+        except OSError as err:  # a status file nobody can write must not stop the rounds: say so, once
+            if not self._write_failed:
+                log.warning("cannot write %s: %s (the run goes on without it)", self._path, err)
+            self._write_failed = True
+        else:
+            self._write_failed = False
 
     def _loop(self) -> None:
         while not self._stop.wait(2.0):

@@ -48,3 +48,18 @@ def test_a_checkpoint_of_another_model_is_refused_before_training():
             ArrayRecord({"w": Array(np.ones(4, np.float32))}),
         )
     _check_same_model(saved, saved)  # the same model resumes
+
+
+def test_a_status_file_that_cannot_be_written_warns_once_and_never_stops_the_run(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from fedge.server.service import _StatusWriter
+
+    endpoint = SimpleNamespace(online_nodes=lambda: {"n1"}, drop_counts=dict)
+    grid = SimpleNamespace(endpoint=endpoint, profiles={}, dropped={})  # what the writer reads of the Grid
+    (tmp_path / "status.json").mkdir()  # a directory where the file belongs
+    writer = _StatusWriter(tmp_path / "status.json", grid, rounds=3, resume=None)  # type: ignore[arg-type]
+    writer._write()
+    writer._write()
+    warned = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warned) == 1 and "the run goes on without it" in warned[0].getMessage()
