@@ -48,8 +48,10 @@ class Link:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if not self.bandwidth_bytes_per_s > 0 or self.latency_s < 0:
-            raise ConfigError("bandwidth_bytes_per_s must be > 0 and latency_s >= 0")
+        # finite and physical: an infinite latency made every plan infeasible ("no partition fits"), 1e-300
+        # bytes/s a 300-digit latency
+        if not (1.0 <= self.bandwidth_bytes_per_s < math.inf and 0 <= self.latency_s < math.inf):
+            raise ConfigError("bandwidth_bytes_per_s must be >= 1 and latency_s >= 0, both finite")
 
     def seconds(self, nbytes: float) -> float:
         """Time for ``nbytes`` to cross this link once."""
@@ -81,8 +83,10 @@ class Device:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if not self.name or not self.flops_per_s > 0 or not self.memory_bytes > 0:
-            raise ConfigError(f"device {self.name!r}: needs a name, flops_per_s > 0 and memory_bytes > 0")
+        if not self.name or not 1.0 <= self.flops_per_s < math.inf or not self.memory_bytes > 0:
+            raise ConfigError(
+                f"device {self.name!r}: needs a name, a finite flops_per_s >= 1 and memory_bytes > 0"
+            )
         Link(self.bandwidth_bytes_per_s, self.latency_s)  # validates the link fields
 
     @property

@@ -1,0 +1,114 @@
+"""``fedge partition``: bad input is one line, never a traceback or a hang."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from fedge.cli import app
+
+runner = CliRunner()
+
+FACTORIES = """
+import torch
+from torch import nn
+
+
+def chain():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), torch.zeros(1, 8)
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(4, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return self.head(torch.relu(self.a(x)) + self.b(y))
+
+
+def two():
+    return Two(), (torch.zeros(1, 8), torch.zeros(1, 4))
+
+
+def raises():
+    raise RuntimeError("boom in factory")
+"""
+
+DEVICES = """
+[[device]]
+name = "a"
+flops_per_s = 1e9
+memory_bytes = 1e8
+[[device]]
+name = "b"
+flops_per_s = 2e9
+memory_bytes = 1e8
+"""
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    (tmp_path / "devices.toml").write_text(DEVICES)
+    return tmp_path
+
+
+def _plan(files, *args: str):
+    model = f"{files / 'factories.py'}"
+    return runner.invoke(
+        app,
+        ["partition", "plan", "--devices", str(files / "devices.toml"), "--out", str(files / "o"), *args]
+        if "--model" in args
+        else ["partition", "plan", "--model", f"{model}:chain", "--devices", str(files / "devices.toml"),
+              "--out", str(files / "o"), *args],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--calibrate", "--host-flops", "-1"], "--host-flops must be a positive number"),  # used to hang
+        (["--calibrate", "--host-flops", "nan"], "--host-flops must be a positive number"),
+        (["--batch", "0"], "Invalid value for '--batch'"),
+    ],
+)
+def test_bad_plan_flags_are_one_line(files, args, needle):
+    result = _plan(files, *args)
+    assert result.exit_code == 2 and needle in result.output, result.output
+
+
+def test_a_failing_factory_is_one_line_and_calibration_runs_a_two_input_model(files):
+    result = _plan(files, "--model", f"{files / 'factories.py'}:raises")
+    assert result.exit_code == 2 and "raised RuntimeError: boom in factory" in result.output, result.output
+    result = _plan(
+        files, "--model", f"{files / 'factories.py'}:two", "--calibrate"
+    )  # a stage got every input
+    assert result.exit_code == 0, result.output
+
+
+def test_a_damaged_stage_directory_is_one_line(files):
+    out = files / "o"
+    args = ["partition", "export", "--model", f"{files / 'factories.py'}:chain", "--devices"]
+    assert runner.invoke(app, [*args, str(files / "devices.toml"), "--out", str(out)]).exit_code == 0
+    for damage, needle in [
+        ("traversal", "lies outside"),
+        ("json", "JSONDecodeError"),
+        ("empty", "lists no stages"),
+    ]:
+        bad = files / damage
+        shutil.copytree(out, bad)
+        manifest = json.loads((bad / "manifest.json").read_text())
+        if damage == "traversal":
+            manifest["stages"][0]["path"] = "../o/model.onnx"
+        elif damage == "empty":
+            manifest["stages"] = []
+        text = "{not json" if damage == "json" else json.dumps(manifest)
+        (bad / "manifest.json").write_text(text)
+        result = runner.invoke(app, ["partition", "run", "--out", str(bad)])
+        assert result.exit_code == 2 and needle in result.output, (damage, result.output)
+        assert "Traceback" not in result.output
