@@ -48,6 +48,7 @@ from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
 from fedge.reporting.plots import plot_accuracy, plot_accuracy_vs_time, plot_accuracy_vs_upload
 from fedge.simulation.split_config import MCU_WIFI, SplitSettings, SplitSimulation, load_split_simulation
 from fedge.split import ClientPlan, SplitFedRun, as_chain, block_cuts, evaluate, plan_fleet
+from fedge.split.model import check_chain
 
 __all__ = [
     "MCU_WIFI",
@@ -102,6 +103,8 @@ class SplitSimulationRun:
         self.model = self.task.task.model()
         try:
             chain = as_chain(self.model)
+            if len(self.test[1]):
+                check_chain(self.model, self.test[0][:2])
         except ValueError as err:
             raise ConfigError(f"the task's model cannot be split: {err}") from None
         settings = config.split

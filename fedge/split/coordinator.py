@@ -40,6 +40,7 @@ from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedge.app.task import prepare_task
+from fedge.config import ConfigError
 from fedge.devices.fleet import CATALOGUE, ClientProfile
 from fedge.flower.compat import set_task_identity
 from fedge.split.cut import CutLink
@@ -47,7 +48,7 @@ from fedge.split.engine_clock import EngineClock
 from fedge.split.engine_config import EngineRound, SplitAppConfig
 from fedge.split.memory import ClientPlan, plan_fleet
 from fedge.split.messages import FULL_TRAIN, HELLO, SPLIT_STEP, Hello, RunSettings
-from fedge.split.model import as_chain, ends_in_relu, segment
+from fedge.split.model import as_chain, check_chain, ends_in_relu, segment
 from fedge.split.rounds import average_deltas, evaluate, stage_keys
 from fedge.split.server_state import (
     SplitCheckpoint,
@@ -113,7 +114,12 @@ class SplitCoordinator:
         torch.manual_seed(config.model_seed)
         self.model = self.task.task.model()
         cfg = config.split
-        self.end = len(as_chain(self.model)) - (cfg.head_layers if cfg.u_shaped else 0)
+        try:  # the model's promise that it is a chain of layers, checked on the test set
+            self.end = len(as_chain(self.model)) - (cfg.head_layers if cfg.u_shaped else 0)
+            if len(self.test[1]):
+                check_chain(self.model, self.test[0][:2])
+        except ValueError as err:
+            raise ConfigError(f"the task's model cannot be split: {err}") from None
         self.clock = (
             EngineClock(
                 self.model,

@@ -12,12 +12,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 __all__ = [
     "as_chain",
     "block_cuts",
     "chain_names",
+    "check_chain",
     "ends_in_relu",
     "segment",
     "split_chain",
@@ -101,6 +103,36 @@ def segment(chain: nn.Sequential, start: int, end: int | None = None) -> nn.Sequ
     """Layers ``[start, end)`` of ``chain`` (shared, not copied), numbered from 0 as a stage's state dict
     is (slicing an ``nn.Sequential`` keeps the original numbers)."""
     return nn.Sequential(*list(chain)[start:end])
+
+
+def check_chain(model: nn.Module, example: torch.Tensor, *, atol: float = 1e-4) -> None:
+    """Raise ValueError unless ``as_chain(model)`` computes what ``model`` does on ``example`` (a batch).
+
+    ``split_chain = True`` is the model's promise that its Sequentials run one after the other; a forward
+    with a skip connection or an extra operation breaks it, and split training would then silently train
+    another model than the one evaluated (0.43 apart on one such model). One forward pass keeps the promise
+    honest; the model's train/eval mode is restored.
+    """
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = model(example)
+            try:
+                chained = as_chain(model)(example)
+            except RuntimeError as err:  # the layers do not even fit one after the other
+                first = (str(err).splitlines() or [""])[0]
+                raise ValueError(f"its chain of layers does not run one after the other ({first})") from None
+    finally:
+        model.train(training)
+    if not isinstance(whole, torch.Tensor) or whole.shape != chained.shape:
+        raise ValueError("the model's forward does not return what its chain of layers does")
+    gap = float((whole - chained).abs().max()) if whole.numel() else 0.0
+    if not gap <= atol:
+        raise ValueError(
+            f"the model's forward differs from its chain of layers by {gap:.3g}: a forward with skips or "
+            "extra operations cannot be split (set split_chain only when its Sequentials run in order)"
+        )
 
 
 def split_chain(

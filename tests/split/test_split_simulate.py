@@ -134,3 +134,58 @@ def test_labels_the_model_cannot_output_are_one_line(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "the labels of client 0 run from 0 to 99; the model has 10 outputs" in result.output
+
+
+def test_a_model_whose_forward_is_not_its_chain_is_refused(tmp_path):
+    (tmp_path / "lying.py").write_text(
+        "from torch import nn\n"
+        "from fedge.app.task import DigitsTask, DigitsCNN\n\n\n"
+        "class Skip(nn.Module):\n"
+        "    split_chain = True  # a promise its forward breaks: it adds a skip around the classifier\n\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        inner = DigitsCNN()\n"
+        "        self.features, self.classifier = inner.features, inner.classifier\n"
+        "        self.skip = nn.Sequential(nn.Flatten(), nn.Linear(512, 10))\n\n"
+        "    def forward(self, x):\n"
+        "        hidden = self.features(x)\n"
+        "        return self.classifier(hidden) + self.skip(hidden)\n\n\n"
+        "class LyingChain(DigitsTask):\n"
+        "    def model(self):\n"
+        "        return Skip()\n"
+    )
+    args = [
+        "simulate",
+        "--split",
+        "--task",
+        f"{tmp_path / 'lying.py'}:LyingChain",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "chain of layers does not run one after the other" in result.output
+
+
+def test_check_chain_measures_a_forward_that_runs_but_differs():
+    import torch
+    from torch import nn
+
+    from fedge.split.model import check_chain
+
+    class Residual(nn.Module):
+        split_chain = True
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.b(self.a(x)) + x  # the skip is not in the chain
+
+    torch.manual_seed(0)
+    model = Residual().train()
+    with pytest.raises(ValueError, match="differs from its chain of layers by"):
+        check_chain(model, torch.ones(2, 4))
+    assert model.training  # its mode is restored
+    check_chain(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.ones(2, 4))  # a true chain passes
