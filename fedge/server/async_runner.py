@@ -48,12 +48,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedge.compression import CodecError, decode_add
 from fedge.protocol.fleet import node_label
 from fedge.protocol.records import arrays_to_record, record_to_arrays
-from fedge.server.channel import (
-    COUNTED_NODES_KEY,
-    COUNTED_VERSIONS_KEY,
-    CompressedChannel,
-    CompressionConfig,
-)
+from fedge.server.channel import CompressedChannel, CompressionConfig
+from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.runner import RunFailed

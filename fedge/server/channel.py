@@ -46,6 +46,12 @@ from fedge.protocol.envelope import wire_size
 from fedge.protocol.fleet import node_label
 from fedge.protocol.records import INSTRUCTION_KEY, NOT_COUNTED, UPDATE_KEY, Instruction, arrays_to_record
 from fedge.server.budget import UploadBudget
+from fedge.server.counted import (
+    COUNTED_NODES_KEY,
+    COUNTED_VERSIONS_KEY,
+    counted_from_state,
+    counted_state,
+)
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
 from fedge.server.report import RoundReport
 from fedge.server.screening import (
@@ -62,6 +68,8 @@ __all__ = [
     "CompressedChannel",
     "CompressionConfig",
     "RoundReport",
+    "counted_from_state",
+    "counted_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,11 +77,6 @@ log = logging.getLogger(__name__)
 DISCARDED_REASONS = frozenset({"norm_outlier", "weight_outlier", "non_finite", "wrong_tensors", "bad_weight"})
 """Rejections of the update itself: the client is told to drop it rather than fold it back. ``stale``,
 ``no_update`` and ``undecodable`` replies (bytes damaged on the way) are merely lost, and fold back."""
-
-COUNTED_NODES_KEY = "counted/node-ids"
-"""``state_dict`` key: int64 node ids of the counted map (aligned with :data:`COUNTED_VERSIONS_KEY`)."""
-COUNTED_VERSIONS_KEY = "counted/versions"
-"""``state_dict`` key: int64 version of each node's last counted update."""
 
 
 @dataclass(frozen=True)
@@ -366,19 +369,11 @@ class CompressedChannel:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The counted map as two aligned int64 arrays (node ids, versions), for the checkpoint."""
-        nodes = sorted(self.counted)
-        return {
-            COUNTED_NODES_KEY: np.array(nodes, dtype=np.int64),
-            COUNTED_VERSIONS_KEY: np.array([self.counted[n] for n in nodes], dtype=np.int64),
-        }
+        return counted_state(self.counted)
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore :meth:`state_dict` (a checkpoint without it leaves the map empty: nothing counted)."""
-        nodes = np.asarray(state.get(COUNTED_NODES_KEY, np.zeros(0, np.int64))).reshape(-1)
-        versions = np.asarray(state.get(COUNTED_VERSIONS_KEY, np.zeros(0, np.int64))).reshape(-1)
-        if nodes.shape != versions.shape:
-            raise ValueError(f"counted map: {nodes.size} node ids but {versions.size} versions")
-        self.counted = {int(n): int(v) for n, v in zip(nodes, versions, strict=True)}
+        self.counted = counted_from_state(state)
 
     def reject(self, server_round: int, node_id: int, rejection: Rejected) -> None:
         """Log and count a rejected reply; an update refused as bad is discarded, not sent again."""

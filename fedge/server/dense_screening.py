@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.fleet import node_label
-from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
+from fedge.server.counted import counted_from_state, counted_state
 from fedge.server.screening import (
     REJECTION_REASONS,
     DenseReply,
@@ -164,19 +164,11 @@ class ScreenedStrategy(Strategy):
     def state_dict(self) -> dict[str, np.ndarray]:
         """Which nodes' updates reached the model, and in which round (the coordinator's audit commits
         only those), as two aligned int64 arrays."""
-        nodes = sorted(self.counted)
-        return {
-            COUNTED_NODES_KEY: np.array(nodes, dtype=np.int64),
-            COUNTED_VERSIONS_KEY: np.array([self.counted[n] for n in nodes], dtype=np.int64),
-        }
+        return counted_state(self.counted)
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore :meth:`state_dict` (a checkpoint without it leaves the record empty)."""
-        nodes = np.asarray(state.get(COUNTED_NODES_KEY, np.zeros(0, np.int64))).reshape(-1)
-        rounds = np.asarray(state.get(COUNTED_VERSIONS_KEY, np.zeros(0, np.int64))).reshape(-1)
-        if nodes.shape != rounds.shape:
-            raise ValueError(f"counted record: {nodes.size} node ids but {rounds.size} rounds")
-        self.counted = {int(n): int(r) for n, r in zip(nodes, rounds, strict=True)}
+        self.counted = counted_from_state(state)
 
     def _drop_outliers(
         self, server_round: int, passed: list[tuple[Message, DenseReply]], rejected: Counter[str]

@@ -43,8 +43,8 @@ from fedge.flower.compat import set_task_identity
 from fedge.protocol.fleet import flower_node_id
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog
-from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
 from fedge.server.model_publish import ModelDistributor

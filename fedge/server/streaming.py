@@ -25,7 +25,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedge.compression import CodecError, decode_add
 from fedge.protocol.records import arrays_to_record, record_to_arrays
-from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY, CompressedChannel, CompressionConfig
+from fedge.server.channel import CompressedChannel, CompressionConfig
+from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.screening import Rejected, ScreenedReply
 

@@ -14,7 +14,7 @@ from fedge.app.config import AppConfig
 from fedge.app.task import DigitsTask
 from fedge.flower.compat import set_task_identity
 from fedge.server import DenseFedAvg, ReplyScreen, ScreenedStrategy
-from fedge.server.channel import COUNTED_NODES_KEY
+from fedge.server.counted import COUNTED_NODES_KEY
 from fedge.simulation.config import SimulationConfig
 from fedge.simulation.engines import run_simulation
 

@@ -25,7 +25,7 @@ from fedge.protocol.records import (
     record_to_arrays,
 )
 from fedge.server import CompressionConfig, DecodingStrategy, ServerOptimizer, StreamingFedAvg
-from fedge.server.channel import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
+from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.simulation.local_grid import LocalGrid
 
 RNG = np.random.default_rng(3)
