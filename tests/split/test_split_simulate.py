@@ -93,6 +93,12 @@ def test_bad_split_config_is_one_line(tmp_path, args, toml, needle):
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
+def _split_run(tmp_path, module: str, task: str):
+    """``fedge simulate --split`` of the task class ``task`` in ``tmp_path / module``."""
+    args = ["simulate", "--split", "--task", f"{tmp_path / module}:{task}", "--out", str(tmp_path / "o")]
+    return CliRunner().invoke(app, args)
+
+
 def test_a_task_with_its_own_training_is_refused_for_split(tmp_path):
     (tmp_path / "own.py").write_text(
         "from fedge.app.task import DigitsTask\n\n\n"
@@ -100,15 +106,7 @@ def test_a_task_with_its_own_training_is_refused_for_split(tmp_path):
         "    def evaluate(self, model, data):\n"
         "        return {**super().evaluate(model, data), 'f1': 0.5}\n"
     )
-    args = [
-        "simulate",
-        "--split",
-        "--task",
-        f"{tmp_path / 'own.py'}:OwnEvaluate",
-        "--out",
-        str(tmp_path / "o"),
-    ]
-    result = CliRunner().invoke(app, args)
+    result = _split_run(tmp_path, "own.py", "OwnEvaluate")
     assert result.exit_code == 2, result.output
     assert "has its own evaluate(); split training runs its own cross-entropy" in result.output
 
@@ -123,15 +121,7 @@ def test_labels_the_model_cannot_output_are_one_line(tmp_path):
         "        labels[0] = 99\n"
         "        return features, labels\n"
     )
-    args = [
-        "simulate",
-        "--split",
-        "--task",
-        f"{tmp_path / 'labels.py'}:Label99",
-        "--out",
-        str(tmp_path / "o"),
-    ]
-    result = CliRunner().invoke(app, args)
+    result = _split_run(tmp_path, "labels.py", "Label99")
     assert result.exit_code == 2, result.output
     assert "the labels of client 0 run from 0 to 99; the model has 10 outputs" in result.output
 
@@ -154,15 +144,7 @@ def test_a_model_whose_forward_is_not_its_chain_is_refused(tmp_path):
         "    def model(self):\n"
         "        return Skip()\n"
     )
-    args = [
-        "simulate",
-        "--split",
-        "--task",
-        f"{tmp_path / 'lying.py'}:LyingChain",
-        "--out",
-        str(tmp_path / "o"),
-    ]
-    result = CliRunner().invoke(app, args)
+    result = _split_run(tmp_path, "lying.py", "LyingChain")
     assert result.exit_code == 2, result.output
     assert "chain of layers does not run one after the other" in result.output
 
