@@ -153,8 +153,8 @@ def run_rounds(
         resume_at = getattr(strategy, "resume_at", None)
         if callable(resume_at):  # a strategy running its own loop (FedBuff) numbers its versions on
             resume_at(done)
-        else:
-            strategy = _RoundOffset(strategy, done)
+    if type(strategy).start is Strategy.start:  # Flower's round loop: record each round's train metrics
+        strategy = _RoundOffset(strategy, done)
     round_started = time.perf_counter()
     failures = _FailureWatch(run.max_failed_rounds)
 
@@ -183,6 +183,9 @@ def run_rounds(
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
             for key, value in _evaluation_extras(result).items():  # fedge's own figures keep their names
                 metrics.extra.setdefault(key, value)
+            if isinstance(strategy, _RoundOffset):
+                for key, value in _train_extras(strategy.train_metrics.pop(server_round, None)).items():
+                    metrics.extra.setdefault(key, value)
             if run.round_extras is not None:
                 metrics.extra.update(run.round_extras())
             history.rounds.append(metrics)
@@ -232,6 +235,18 @@ def _check_same_model(saved: ArrayRecord, fresh: ArrayRecord) -> None:
             f"the checkpoint holds another model than this run's (tensors differ: {', '.join(differ)}): "
             "resume with the task it was made with, or start afresh without --resume"
         )
+
+
+def _train_extras(metrics: MetricRecord | None) -> dict[str, float]:
+    """The clients' aggregated train metrics (a task's ``train()`` returns), each as ``train_<name>``
+    (``train_loss`` stays ``train_loss``); the weight and fedge's own ``fedge.*`` figures are left out."""
+    extras: dict[str, float] = {}
+    for key, value in (metrics or {}).items():
+        if key == "num-examples" or key.startswith("fedge.") or isinstance(value, bool | list):
+            continue
+        if isinstance(value, int | float):
+            extras[key if key.startswith("train") else f"train_{key}"] = float(value)
+    return extras
 
 
 def _evaluation_extras(result: Mapping[str, Any]) -> dict[str, float]:
@@ -333,16 +348,20 @@ def _strategy_round_metrics(strategy: Strategy, server_round: int) -> dict[str, 
 
 
 class _RoundOffset(Strategy):
-    """Present round ``r`` to ``inner`` as ``r + offset``, so a resumed run keeps its round numbers."""
+    """Present round ``r`` to ``inner`` as ``r + offset``, so a resumed run keeps its round numbers, and
+    keep each round's aggregated train metrics (Flower's loop hands them to nobody else)."""
 
     def __init__(self, inner: Strategy, offset: int) -> None:
         self.inner, self.offset = inner, offset
+        self.train_metrics: dict[int, MetricRecord | None] = {}  # round -> what aggregate_train returned
 
     def configure_train(self, server_round, arrays, config, grid):
         return self.inner.configure_train(server_round + self.offset, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
-        return self.inner.aggregate_train(server_round + self.offset, replies)
+        arrays, metrics = self.inner.aggregate_train(server_round + self.offset, replies)
+        self.train_metrics[server_round + self.offset] = metrics
+        return arrays, metrics
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         return self.inner.configure_evaluate(server_round + self.offset, arrays, config, grid)

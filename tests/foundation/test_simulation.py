@@ -272,3 +272,13 @@ def test_a_tasks_other_evaluation_figures_are_recorded_with_each_round():
     assert _evaluation_extras({**result, "round": 99, "bytes_up": -1, "clients_replied": 1234}) == {"f1": 0.8}
     row = RoundMetrics(3, 0.9, 0.3, 4, 4, 10, 20, 1.0, extra={"round": 99.0, "f1": 0.8}).to_json()
     assert row["round"] == 3 and row["f1"] == 0.8
+
+
+def test_the_clients_train_metrics_are_recorded_with_each_round():
+    from fedge.server.runner import _train_extras
+
+    rounds = run_simulation(SimulationConfig(clients=3, app=AppConfig(rounds=2, local_epochs=1))).rounds
+    assert all(r.extra["train_loss"] > 0 for r in rounds)
+    assert rounds[1].extra["train_loss"] < rounds[0].extra["train_loss"]  # training lowers it
+    record = MetricRecord({"num-examples": 9.0, "f1": 0.5, "train_acc": 0.7, "fedge.version": 3.0})
+    assert _train_extras(record) == {"train_f1": 0.5, "train_acc": 0.7}
