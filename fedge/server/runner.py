@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -181,6 +182,10 @@ def run_rounds(
                 timeline=traffic.clock.get("timeline", []),
             )
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
+            if not math.isfinite(metrics.accuracy) and all(math.isfinite(r.accuracy) for r in history.rounds):
+                log.warning(
+                    "round %d: the task's evaluate() returned accuracy %s", server_round, metrics.accuracy
+                )
             for key, value in _evaluation_extras(result).items():  # fedge's own figures keep their names
                 metrics.extra.setdefault(key, value)
             if isinstance(strategy, _RoundOffset):

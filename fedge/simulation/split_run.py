@@ -111,10 +111,20 @@ class SplitSimulationRun:
         end = len(chain) - (settings.head_layers if settings.u_shaped else 0)
         cuts = list(settings.cuts) or [c for c in block_cuts(chain) if c < end]
         bad = [c for c in cuts if not 1 <= c < end]
-        if bad or not cuts:
+        if not cuts:  # none given, and no natural cut leaves the server a layer
+            head = (
+                f" and split.head_layers = {settings.head_layers} keeps its last layers on the client"
+                if settings.u_shaped
+                else ""
+            )
             raise ConfigError(
-                f"split.cuts: cut {bad[0] if bad else '(none)'} leaves no server-side layers; the model's "
-                f"chain has {len(chain)} layers, so cuts must be in 1..{end - 1}"
+                f"the model cannot be split: its chain has {len(chain)} layers{head}, which leaves no "
+                "natural cut with server-side layers (run it without --split, or give split.cuts)"
+            )
+        if bad:
+            raise ConfigError(
+                f"split.cuts: cut {bad[0]} leaves no server-side layers; the model's chain has {len(chain)} "
+                f"layers, so cuts must be in 1..{end - 1}"
             )
         self.plans: list[ClientPlan]
         if not len(self.test[1]):

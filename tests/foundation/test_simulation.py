@@ -282,3 +282,16 @@ def test_the_clients_train_metrics_are_recorded_with_each_round():
     assert rounds[1].extra["train_loss"] < rounds[0].extra["train_loss"]  # training lowers it
     record = MetricRecord({"num-examples": 9.0, "f1": 0.5, "train_acc": 0.7, "fedge.version": 3.0})
     assert _train_extras(record) == {"train_f1": 0.5, "train_acc": 0.7}
+
+
+def test_a_nan_accuracy_is_warned_about_once(tmp_path, caplog):
+    (tmp_path / "nan_eval.py").write_text(
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class NanAccuracy(DigitsTask):\n"
+        "    def evaluate(self, model, data):\n"
+        "        return {**super().evaluate(model, data), 'accuracy': float('nan')}\n"
+    )
+    app = AppConfig(rounds=2, local_epochs=1, task=f"{tmp_path / 'nan_eval.py'}:NanAccuracy")
+    run_simulation(SimulationConfig(clients=2, app=app))
+    warned = [r for r in caplog.records if "evaluate() returned accuracy nan" in r.getMessage()]
+    assert len(warned) == 1 and "round 1" in warned[0].getMessage()

@@ -171,3 +171,15 @@ def test_check_chain_measures_a_forward_that_runs_but_differs():
         check_chain(model, torch.ones(2, 4))
     assert model.training  # its mode is restored
     check_chain(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.ones(2, 4))  # a true chain passes
+
+
+def test_a_model_too_small_to_split_says_so(tmp_path):
+    (tmp_path / "tiny.py").write_text(
+        "from torch import nn\nfrom fedge.app.task import DigitsTask\n\n\n"
+        "class OneLayer(DigitsTask):\n"
+        "    def model(self):\n"
+        "        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n"
+    )
+    result = _split_run(tmp_path, "tiny.py", "OneLayer")
+    assert result.exit_code == 2, result.output
+    assert "leaves no natural cut with server-side layers" in result.output  # it used to name split.cuts
