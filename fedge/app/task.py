@@ -14,14 +14,12 @@ what :meth:`Task.prepare` caches on ``self`` is there for :meth:`Task.load_parti
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -32,13 +30,11 @@ from torch import nn
 
 from fedge.app.digits import digits_split, dirichlet_partitions
 from fedge.app.features import forward, rows, to_numpy
-from fedge.config import ConfigError
+from fedge.app.task_checks import TaskContractError, checked_data, checked_evaluation, task_errors
 from fedge.importing import import_attribute
 
 if TYPE_CHECKING:
     from fedge.server.model_export import ExportInputs
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "DigitsTask",
@@ -87,54 +83,6 @@ class TrainConfig:
 
 class TaskLoadError(ValueError):
     """A ``module:Class`` task path that does not import or does not name a :class:`Task`."""
-
-
-class TaskContractError(ConfigError):
-    """A task method returned what fedge cannot use (an ``evaluate`` without ``accuracy`` and ``loss``)."""
-
-
-def checked_evaluation(result: Any, task: str) -> dict[str, float]:
-    """``result`` of :meth:`Task.evaluate` on the server, with ``accuracy`` and ``loss`` as floats (a NaN
-    loss is a diverged model, not a broken contract).
-
-    Raises
-    ------
-    TaskContractError
-        One line naming the task and what it returned instead (the run stops before its first round).
-    """
-    if not isinstance(result, Mapping):
-        raise TaskContractError(f"task {task}: evaluate() returned {type(result).__name__}, not a dict")
-    values = dict(result)
-    for key in ("accuracy", "loss"):
-        value = values.get(key)
-        if getattr(value, "shape", None) == ():  # a 0-d tensor or numpy scalar: the number it holds
-            value = value.item()  # type: ignore[union-attr]
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            found = (
-                ", ".join(f"{k} ({type(v).__name__})" for k, v in sorted(values.items(), key=str))
-                or "nothing"
-            )
-            raise TaskContractError(
-                f"task {task}: evaluate() must return numbers 'accuracy' and 'loss' (a regression task: a "
-                f"score such as R² as accuracy); it returned {found}"
-            )
-        values[key] = float(value)
-    return values
-
-
-@contextlib.contextmanager
-def task_errors(task: str, call: str) -> Iterator[None]:
-    """Turn an exception from a task's own code on the server (``model()``, ``test_set()``, ``evaluate()``)
-    into one :class:`TaskContractError` line naming the task and the call; the traceback is logged at INFO
-    (``-v`` shows it). A client's exception becomes its error reply instead."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except Exception as err:
-        log.info("task %s: %s raised", task, call, exc_info=True)
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        raise TaskContractError(f"task {task}: {call} raised {type(err).__name__}: {first}") from err
 
 
 class Task(ABC):
@@ -325,7 +273,7 @@ class PreparedTask:
                 self._partitions.move_to_end(partition_id)
                 return self._partitions[partition_id]
         data = self.task.load_partition(partition_id, self.num_partitions, alpha=self.alpha, seed=self.seed)
-        data = _checked_data(data, f"load_partition({partition_id}, ...)")
+        data = checked_data(data, f"load_partition({partition_id}, ...)")
         with self._lock:
             self._partitions[partition_id] = data
             while len(self._partitions) > self._cache_size:
@@ -334,36 +282,9 @@ class PreparedTask:
 
     def test_set(self) -> TensorData:
         """The task's held-out test split for this run."""
-        return _checked_data(
+        return checked_data(
             self.task.test_set(self.num_partitions, alpha=self.alpha, seed=self.seed), "test_set()"
         )
-
-
-def _checked_data(data: Any, call: str) -> TensorData:
-    """``data`` if it is a ``(features, labels)`` pair with as many label as feature rows; a mismatch would
-    otherwise train on a silently truncated set."""
-    if not isinstance(data, tuple | list) or len(data) != 2:
-        raise TaskContractError(f"{call} must return (features, labels), not {type(data).__name__}")
-    features, labels = data
-    try:
-        feature_rows = {len(part) for part in _parts(features)}
-        label_rows = len(labels)
-    except TypeError as err:
-        raise TaskContractError(f"{call}: features and labels must have a length (rows): {err}") from None
-    if feature_rows and feature_rows != {label_rows}:
-        raise TaskContractError(
-            f"{call} returned {sorted(feature_rows)} feature rows but {label_rows} labels"
-        )
-    return features, labels
-
-
-def _parts(features: Any) -> list[Any]:
-    """The parts of a features structure (one tensor, a tuple, a dict)."""
-    if isinstance(features, Mapping):
-        return list(features.values())
-    if isinstance(features, tuple | list):
-        return list(features)
-    return [features]
 
 
 def prepare_task(path: str, args_json: str, num_partitions: int, *, alpha: float, seed: int) -> PreparedTask:

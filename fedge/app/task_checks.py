@@ -1,0 +1,94 @@
+"""What fedge checks of a task's answers on the server: evaluation results, data pairs, and a task's own
+exceptions as one line naming the call (:func:`task_errors`).
+
+A client's exception becomes its error reply (the round goes on without it); on the server, a task's mistake
+ends the run before its first round, and it should do so in one line a user can act on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from fedge.config import ConfigError
+
+__all__ = ["TaskContractError", "checked_data", "checked_evaluation", "task_errors"]
+
+log = logging.getLogger(__name__)
+
+
+class TaskContractError(ConfigError):
+    """A task method returned what fedge cannot use (an ``evaluate`` without ``accuracy`` and ``loss``)."""
+
+
+def checked_evaluation(result: Any, task: str) -> dict[str, float]:
+    """``result`` of :meth:`Task.evaluate` on the server, with ``accuracy`` and ``loss`` as floats (a NaN
+    loss is a diverged model, not a broken contract).
+
+    Raises
+    ------
+    TaskContractError
+        One line naming the task and what it returned instead (the run stops before its first round).
+    """
+    if not isinstance(result, Mapping):
+        raise TaskContractError(f"task {task}: evaluate() returned {type(result).__name__}, not a dict")
+    values = dict(result)
+    for key in ("accuracy", "loss"):
+        value = values.get(key)
+        if getattr(value, "shape", None) == ():  # a 0-d tensor or numpy scalar: the number it holds
+            value = value.item()  # type: ignore[union-attr]
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            found = (
+                ", ".join(f"{k} ({type(v).__name__})" for k, v in sorted(values.items(), key=str))
+                or "nothing"
+            )
+            raise TaskContractError(
+                f"task {task}: evaluate() must return numbers 'accuracy' and 'loss' (a regression task: a "
+                f"score such as R² as accuracy); it returned {found}"
+            )
+        values[key] = float(value)
+    return values
+
+
+@contextlib.contextmanager
+def task_errors(task: str, call: str) -> Iterator[None]:
+    """Turn an exception from a task's own code on the server (``model()``, ``test_set()``, ``evaluate()``)
+    into one :class:`TaskContractError` line naming the task and the call; the traceback is logged at INFO
+    (``-v`` shows it). A client's exception becomes its error reply instead."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as err:
+        log.info("task %s: %s raised", task, call, exc_info=True)
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise TaskContractError(f"task {task}: {call} raised {type(err).__name__}: {first}") from err
+
+
+def checked_data(data: Any, call: str) -> tuple[Any, Any]:
+    """``data`` if it is a ``(features, labels)`` pair with as many label as feature rows; a mismatch would
+    otherwise train on a silently truncated set."""
+    if not isinstance(data, tuple | list) or len(data) != 2:
+        raise TaskContractError(f"{call} must return (features, labels), not {type(data).__name__}")
+    features, labels = data
+    try:
+        feature_rows = {len(part) for part in _parts(features)}
+        label_rows = len(labels)
+    except TypeError as err:
+        raise TaskContractError(f"{call}: features and labels must have a length (rows): {err}") from None
+    if feature_rows and feature_rows != {label_rows}:
+        raise TaskContractError(
+            f"{call} returned {sorted(feature_rows)} feature rows but {label_rows} labels"
+        )
+    return features, labels
+
+
+def _parts(features: Any) -> list[Any]:
+    """The parts of a features structure (one tensor, a tuple, a dict)."""
+    if isinstance(features, Mapping):
+        return list(features.values())
+    if isinstance(features, tuple | list):
+        return list(features)
+    return [features]
