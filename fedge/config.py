@@ -162,3 +162,12 @@ def make_state_dir(path: str | Path) -> Path:
     except OSError as err:
         raise ConfigError(f"cannot create the state directory {path}: {err.strerror or err}") from None
     return path
+
+
+def error_line(err: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut at ``limit`` characters ("..." marks the cut), for
+    one-line errors; "" when it says nothing (numpy's EOFError on an empty file)."""
+    lines = str(err).strip().splitlines()
+    if not lines:
+        return ""
+    return lines[0] if len(lines[0]) <= limit else lines[0][:limit] + "..."

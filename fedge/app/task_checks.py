@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from fedge.config import ConfigError
+from fedge.config import ConfigError, error_line
 
 __all__ = ["TaskContractError", "checked_data", "checked_evaluation", "task_errors"]
 
@@ -63,8 +63,9 @@ def task_errors(task: str, call: str) -> Iterator[None]:
         raise
     except Exception as err:
         log.info("task %s: %s raised", task, call, exc_info=True)
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        raise TaskContractError(f"task {task}: {call} raised {type(err).__name__}: {first}") from err
+        raise TaskContractError(
+            f"task {task}: {call} raised {type(err).__name__}: {error_line(err)}"
+        ) from err
 
 
 def checked_data(data: Any, call: str) -> tuple[Any, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 import typer
 
 from fedge.cli.common import config_errors, fail
+from fedge.config import error_line
 
 __all__ = ["partition_app", "partition_export", "partition_plan", "partition_run"]
 
@@ -50,14 +51,10 @@ def _load_model(spec: str) -> tuple[Any, Any]:
     try:
         made = factory()
     except Exception as err:  # the user's factory: its failure is one line naming it
-        raise ValueError(f"--model {spec!r} raised {type(err).__name__}: {_first_line(err)}") from None
+        raise ValueError(f"--model {spec!r} raised {type(err).__name__}: {error_line(err)}") from None
     if not (isinstance(made, tuple) and len(made) == 2):
         raise ValueError(f"--model {spec!r} must return (model, example_input)")
     return made
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def _planned(
@@ -77,7 +74,7 @@ def _planned(
         onnx_model, graph, feeds = capture(torch_model, example)
     except Exception as err:  # not a torch module, an input it cannot take, an op ONNX lacks, ...
         raise ValueError(
-            f"--model {model!r}: cannot capture its graph: {type(err).__name__}: {_first_line(err)}"
+            f"--model {model!r}: cannot capture its graph: {type(err).__name__}: {error_line(err)}"
         ) from None
     feeds = {k: np.concatenate([v[:1]] * batch) for k, v in feeds.items()}
     cal = run_calibration(onnx_model, graph, feeds, host_flops_per_s=host_flops) if calibrate else None
@@ -181,8 +178,7 @@ def partition_run(
         full = OrtExecutor(str(out / "model.onnx")).run(feeds)
         diff = max(float(np.abs(outputs[k] - full[k]).max()) for k in outputs)
     except Exception as err:  # json, KeyError, TypeError, OSError, ONNX Runtime's errors, ...
-        reason = (str(err).strip().splitlines() or [""])[0][:300]
-        raise fail(f"cannot run the stages in {out}: {type(err).__name__}: {reason}") from None
+        raise fail(f"cannot run the stages in {out}: {type(err).__name__}: {error_line(err)}") from None
     typer.echo(
         f"{len(runner.executors)} stages, {len(next(iter(feeds.values())))} examples in "
         f"{runner.stats.wall_s:.3f} s; "

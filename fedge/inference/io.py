@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from fedge.atomic import write_bytes_atomic
+from fedge.config import error_line
 
 __all__ = [
     "InputError",
@@ -237,12 +238,10 @@ def _npy_from_bytes(data: bytes, what: str) -> np.ndarray:
 
 def _reason(err: BaseException) -> str:
     """An exception's message, or its kind when it has none (numpy's EOFError on an empty file)."""
-    text = str(err).strip().splitlines()
-    if not text:
-        return type(err).__name__
-    if text[0].startswith("mmap length is greater"):  # a .npy header claiming more values than its file
+    line = error_line(err, limit=200)
+    if line.startswith("mmap length is greater"):  # a .npy header claiming more values than its file
         return "its header's shape needs more bytes than the file holds"
-    return text[0] if len(text[0]) <= 200 else text[0][:200] + "..."
+    return line or type(err).__name__
 
 
 def _numeric(array: np.ndarray) -> bool:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fedge.config import error_line
+
 __all__ = [
     "as_chain",
     "block_cuts",
@@ -121,8 +123,9 @@ def check_chain(model: nn.Module, example: torch.Tensor, *, atol: float = 1e-4) 
             try:
                 chained = as_chain(model)(example)
             except RuntimeError as err:  # the layers do not even fit one after the other
-                first = (str(err).splitlines() or [""])[0]
-                raise ValueError(f"its chain of layers does not run one after the other ({first})") from None
+                raise ValueError(
+                    f"its chain of layers does not run one after the other ({error_line(err)})"
+                ) from None
     finally:
         model.train(training)
     if not isinstance(whole, torch.Tensor) or whole.shape != chained.shape:
