@@ -58,7 +58,7 @@ from fedge.server.screening import (
     Rejected,
     ReplyScreen,
     ScreenedReply,
-    ratio_outliers,
+    outlier_rejections,
     screen_reply,
 )
 
@@ -310,19 +310,14 @@ class CompressedChannel:
             passed.append(screened)
             sent = reply.content[UPDATE_KEY]["payload"]
             sizes[node] = (wire_size(reply), len(sent), self._dense_reply_bytes(reply, shapes))
-        screen = self.config.screen
         norms, weights = [r.norm for r in passed], [r.weight for r in passed]
-        norm_outliers = ratio_outliers(norms, screen.max_norm_ratio, screen.min_replies)
-        weight_outliers = ratio_outliers(weights, screen.max_weight_ratio, screen.min_replies)
         dense_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
         accepted = []
-        for screened, big_norm, big_weight in zip(passed, norm_outliers, weight_outliers, strict=True):
-            if big_norm or big_weight:
-                what, value, values = (
-                    ("norm", screened.norm, norms) if big_norm else ("weight", screened.weight, weights)
-                )
-                detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
-                self.reject(server_round, screened.node_id, Rejected(f"{what}_outlier", detail))
+        for screened, rejection in zip(
+            passed, outlier_rejections(norms, weights, self.config.screen), strict=True
+        ):
+            if rejection is not None:
+                self.reject(server_round, screened.node_id, rejection)
                 continue
             accepted.append(screened)
             wire, payload, dense_wire = sizes[screened.node_id]

@@ -40,7 +40,7 @@ from fedge.server.screening import (
     DenseReply,
     Rejected,
     ReplyScreen,
-    ratio_outliers,
+    outlier_rejections,
     screen_dense_reply,
 )
 
@@ -175,16 +175,12 @@ class ScreenedStrategy(Strategy):
     ) -> list[Message]:
         """The replies whose update norm and weight are within the screen's ratios of the round's medians."""
         norms, weights = [c.norm for _, c in passed], [c.weight for _, c in passed]
-        big_norms = ratio_outliers(norms, self.screen.max_norm_ratio, self.screen.min_replies)
-        big_weights = ratio_outliers(weights, self.screen.max_weight_ratio, self.screen.min_replies)
         accepted = []
-        for (reply, checked), big_norm, big_weight in zip(passed, big_norms, big_weights, strict=True):
-            if big_norm or big_weight:
-                what, value, values = (
-                    ("norm", checked.norm, norms) if big_norm else ("weight", checked.weight, weights)
-                )
-                detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
-                self._reject(server_round, reply, Rejected(f"{what}_outlier", detail), rejected)
+        for (reply, _), rejection in zip(
+            passed, outlier_rejections(norms, weights, self.screen), strict=True
+        ):
+            if rejection is not None:
+                self._reject(server_round, reply, rejection, rejected)
                 continue
             accepted.append(reply)
         return accepted

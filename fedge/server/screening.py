@@ -38,6 +38,7 @@ __all__ = [
     "Rejected",
     "ReplyScreen",
     "ScreenedReply",
+    "outlier_rejections",
     "ratio_outliers",
     "screen_dense_reply",
     "screen_reply",
@@ -223,6 +224,24 @@ def _weight(content: RecordDict, key: str) -> float:
     if isinstance(value, list) or not (math.isfinite(value) and value > 0):
         raise Rejected("bad_weight", f"{key} = {value!r} is not a positive finite number")
     return float(value)
+
+
+def outlier_rejections(
+    norms: list[float], weights: list[float], screen: ReplyScreen
+) -> list[Rejected | None]:
+    """For each of a round's replies (its update norm and weight), the :class:`Rejected` the screen's ratio
+    tests give it (``norm_outlier`` first, then ``weight_outlier``), or None if it passes both."""
+    big_norms = ratio_outliers(norms, screen.max_norm_ratio, screen.min_replies)
+    big_weights = ratio_outliers(weights, screen.max_weight_ratio, screen.min_replies)
+    out: list[Rejected | None] = []
+    for norm, weight, big_norm, big_weight in zip(norms, weights, big_norms, big_weights, strict=True):
+        if not (big_norm or big_weight):
+            out.append(None)
+            continue
+        what, value, values = ("norm", norm, norms) if big_norm else ("weight", weight, weights)
+        detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
+        out.append(Rejected(f"{what}_outlier", detail))
+    return out
 
 
 def ratio_outliers(values: list[float], max_ratio: float, min_replies: int) -> list[bool]:
