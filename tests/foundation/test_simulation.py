@@ -139,6 +139,49 @@ def test_every_call_gets_its_own_copy_of_a_shared_content_and_wire_sizes_are_flo
     assert len(instructions) == 12 and all(size == len(message_to_bytes(m)) for m, size in instructions)
 
 
+@pytest.mark.parametrize("processes", [True, False])
+def test_reply_arrays_large_and_small_arrive_exactly(processes):
+    """Large arrays cross from the workers out of band: values, dtypes, shapes and Flower's array state
+    arrive as the client made them, next to small arrays, metrics and configs."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    sent = {
+        "big": rng.normal(size=(300, 257)),
+        "fortran": np.asfortranarray(rng.normal(size=(200, 60)).astype(np.float32)),
+        "small": np.arange(7, dtype=np.int8),
+        "half": rng.normal(size=20_000).astype(np.float16),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        arrays = ArrayRecord({name: Array(values) for name, values in sent.items()})
+        twin = ArrayRecord({"again": Array(sent["big"])})
+        metrics = MetricRecord({"num-examples": 3})
+        return Message(RecordDict({"arrays": arrays, "twin": twin, "metrics": metrics}), reply_to=msg)
+
+    grid = LocalGrid(app, num_nodes=3, workers=2, processes=processes)
+    set_task_identity(run_id=1)
+    try:
+        content = RecordDict({"arrays": ArrayRecord()})
+        replies = list(grid.send_and_receive([Message(content, n, "train") for n in grid.get_node_ids()]))
+    finally:
+        grid.shutdown()
+    for reply in replies:
+        assert not reply.has_error(), reply.error if reply.has_error() else ""
+        received = reply.content["arrays"]
+        assert list(received) == list(sent)
+        for name, values in sent.items():
+            array = received[name]
+            assert type(array.data) is bytes and array.shape == values.shape
+            assert array.dtype == str(values.dtype) and array.stype == "numpy.ndarray"
+            np.testing.assert_array_equal(array.numpy(), values)
+        np.testing.assert_array_equal(reply.content["twin"]["again"].numpy(), sent["big"])
+        assert reply.content["metrics"]["num-examples"] == 3
+
+
 def test_pushed_messages_are_pulled_by_polling():
     grid = LocalGrid(_counting_app(), num_nodes=4, workers=2)
     set_task_identity(run_id=1)
@@ -167,7 +210,7 @@ def test_replies_are_decoded_as_they_arrive_and_held_once():
         futures = [grid._pending[i][1] for i in ids]
         grid._pool.wait(futures)  # run every call; nothing pulled yet
         assert sorted(grid._decoded) == sorted(ids)
-        assert all(grid._pending[i][1].result() == (b"", b"") for i in ids)
+        assert all(grid._pending[i][1].result() == ((), b"") for i in ids)
         replies = list(grid.pull_messages(ids))
     finally:
         grid.shutdown()

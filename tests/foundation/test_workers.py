@@ -17,7 +17,12 @@ def _call(payload: bytes, context: bytes, shared: bytes | None = None) -> tuple[
         os.kill(os.getpid(), signal.SIGKILL)
     if payload.startswith(b"sleep"):
         time.sleep(float(payload[5:]))
-    return payload[::-1], str(os.getpid()).encode() + context
+    return [payload[::-1]], str(os.getpid()).encode() + context
+
+
+def _reply(future) -> bytes:
+    """A call's reply frames, joined."""
+    return b"".join(future.result()[0])
 
 
 @pytest.fixture
@@ -30,7 +35,7 @@ def pool():
 def test_calls_run_in_worker_processes_and_return_their_results(pool):
     futures = [pool.submit(f"m{i}".encode(), b"") for i in range(20)]
     pool.wait(futures)
-    assert [f.result()[0] for f in futures] == [f"m{i}".encode()[::-1] for i in range(20)]
+    assert [_reply(f) for f in futures] == [f"m{i}".encode()[::-1] for i in range(20)]
     pids = {int(f.result()[1]) for f in futures}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
 
@@ -41,10 +46,10 @@ def test_a_dying_worker_fails_only_its_own_call_and_is_replaced(pool, payload, c
     pool.wait(futures)
     with pytest.raises(WorkerDied, match=cause):
         futures[2].result()
-    assert [f.result()[0] for i, f in enumerate(futures) if i != 2] == [b"a", b"b", b"c", b"d", b"e"]
+    assert [_reply(f) for i, f in enumerate(futures) if i != 2] == [b"a", b"b", b"c", b"d", b"e"]
     again = [pool.submit(b"x", b"") for _ in range(4)]
     pool.wait(again)
-    assert all(f.result()[0] == b"x" for f in again)
+    assert all(_reply(f) == b"x" for f in again)
 
 
 def test_a_worker_that_died_while_idle_costs_no_call(pool):
@@ -54,7 +59,7 @@ def test_a_worker_that_died_while_idle_costs_no_call(pool):
     time.sleep(0.2)
     later = [pool.submit(b"b", b"") for _ in range(4)]
     pool.wait(later)
-    assert all(f.result()[0] == b"b" for f in later)
+    assert all(_reply(f) == b"b" for f in later)
 
 
 def _shared(payload: bytes, context: bytes, shared: bytes | None) -> tuple[bytes, bytes]:
@@ -62,7 +67,7 @@ def _shared(payload: bytes, context: bytes, shared: bytes | None) -> tuple[bytes
     blob arrives); b"kill" ends the worker mid-call."""
     if payload == b"kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    return (shared or b"-"), f"{os.getpid()}:{id(shared)}".encode()
+    return [shared or b"-"], f"{os.getpid()}:{id(shared)}".encode()
 
 
 def test_a_shared_blob_reaches_each_worker_once_and_every_call_that_names_it():
@@ -70,7 +75,7 @@ def test_a_shared_blob_reaches_each_worker_once_and_every_call_that_names_it():
     try:
         first = [pool.submit(b"", b"", ("round-1", b"A" * 100_000)) for _ in range(12)]
         pool.wait(first)
-        assert all(f.result()[0] == b"A" * 100_000 for f in first)
+        assert all(_reply(f) == b"A" * 100_000 for f in first)
         # one blob object per worker: it crossed once, and later calls used the copy the worker held
         by_worker: dict[bytes, set[bytes]] = {}
         for f in first:
@@ -80,13 +85,13 @@ def test_a_shared_blob_reaches_each_worker_once_and_every_call_that_names_it():
         mixed = [pool.submit(b"", b"", ("round-2", b"B")), pool.submit(b"", b""), pool.submit(b"", b"", None)]
         mixed += [pool.submit(b"", b"", ("round-2", b"B")) for _ in range(4)]
         pool.wait(mixed)
-        assert [f.result()[0] for f in mixed] == [b"B", b"-", b"-", b"B", b"B", b"B", b"B"]
+        assert [_reply(f) for f in mixed] == [b"B", b"-", b"-", b"B", b"B", b"B", b"B"]
         # a worker that dies mid-call is replaced, and its successor is sent the blob afresh
         dead = pool.submit(b"kill", b"", ("round-2", b"B"))
         pool.wait([dead])
         after = [pool.submit(b"", b"", ("round-2", b"B")) for _ in range(4)]
         pool.wait(after)
-        assert all(f.result()[0] == b"B" for f in after)
+        assert all(_reply(f) == b"B" for f in after)
     finally:
         pool.shutdown()
 
@@ -98,7 +103,7 @@ def test_wait_returns_at_its_timeout_and_shutdown_finishes_queued_calls():
     pool.wait([slow, queued], timeout=0.1)
     assert time.monotonic() - started < 0.4 and not queued.done()
     pool.shutdown()
-    assert queued.result()[0] == b"q" and slow.done()
+    assert _reply(queued) == b"q" and slow.done()
 
 
 def test_polling_without_a_timeout_makes_progress(pool):
@@ -107,7 +112,7 @@ def test_polling_without_a_timeout_makes_progress(pool):
     while not all(f.done() for f in futures) and time.monotonic() < deadline:
         pool.wait(futures, timeout=0)
         time.sleep(0.01)
-    assert all(f.result()[0] == b"p" for f in futures)
+    assert all(_reply(f) == b"p" for f in futures)
 
 
 def test_cancel_drops_queued_calls_and_stops_running_ones():
@@ -121,7 +126,7 @@ def test_cancel_drops_queued_calls_and_stops_running_ones():
             running.result(timeout=0)
         after = pool.submit(b"z", b"")
         pool.wait([after], timeout=10)
-        assert after.result()[0] == b"z"
+        assert _reply(after) == b"z"
     finally:
         pool.shutdown()
 
@@ -129,7 +134,7 @@ def test_cancel_drops_queued_calls_and_stops_running_ones():
 def _collect(payload: bytes, context: bytes, shared: bytes | None) -> tuple[bytes, bytes]:
     import gc
 
-    return str(gc.collect()).encode(), b""
+    return [str(gc.collect()).encode()], b""
 
 
 class _Finalized:
@@ -176,7 +181,7 @@ def test_a_call_waiting_behind_one_that_kills_its_worker_runs_on_the_next_worker
         pool.wait(futures, timeout=60)
         with pytest.raises(WorkerDied, match="killed by signal 9"):
             futures[0].result()
-        assert [f.result()[0] for f in futures[1:]] == [b"x", b"y", b"z"]
+        assert [_reply(f) for f in futures[1:]] == [b"x", b"y", b"z"]
     finally:
         pool.shutdown()
 
@@ -188,7 +193,7 @@ def test_cancelling_a_call_sent_behind_a_running_one_drops_its_reply():
         assert [j.future for j in pool._workers[0].jobs] == [running, behind]
         pool.cancel([behind])
         pool.wait([running, last], timeout=60)
-        assert behind.cancelled() and running.result()[0] == b"3.0peels" and last.result()[0] == b"r"
+        assert behind.cancelled() and _reply(running) == b"3.0peels" and _reply(last) == b"r"
     finally:
         pool.shutdown()
 
@@ -203,6 +208,28 @@ def test_large_calls_are_not_sent_early_and_large_replies_do_not_block_the_pool(
         futures = [pool.submit(b"", b"", (f"blob-{i}", big)) for i in range(8)]
         assert all(len(w.jobs) == 1 for w in pool._workers)
         pool.wait(futures, timeout=120)
-        assert all(f.result()[0] == big for f in futures)
+        assert all(_reply(f) == big for f in futures)
+    finally:
+        pool.shutdown()
+
+
+def _frames(payload: bytes, context: bytes, shared: bytes | None) -> tuple[list, bytes]:
+    """Reply with frames of the sizes the payload lists (a frame larger than the pipe arrives in pieces)."""
+    sizes = [int(size) for size in payload.split(b",")]
+    return [bytes([i % 256]) * size for i, size in enumerate(sizes)], context
+
+
+def test_a_reply_of_many_frames_arrives_whole_and_in_order():
+    pool = WorkerPool(_frames, size=2)
+    try:
+        shapes = [b"0", b"5,300000", b"1,3000000,17,0", b"70000,70000,70000"]
+        futures = [pool.submit(shape, b"ctx%d" % i) for i, shape in enumerate(shapes * 3)]
+        pool.wait(futures)
+        for i, future in enumerate(futures):
+            frames, context = future.result()
+            sizes = [int(size) for size in shapes[i % len(shapes)].split(b",")]
+            assert [len(frame) for frame in frames] == sizes and context == b"ctx%d" % i
+            assert all(frame == bytes([j % 256]) * len(frame) for j, frame in enumerate(frames))
+            assert all(type(frame) is bytes for frame in frames)
     finally:
         pool.shutdown()
