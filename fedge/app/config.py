@@ -222,7 +222,7 @@ class AppConfig:
             (self.local_epochs >= 1, "local_epochs must be >= 1"),
             (0.0 < self.learning_rate < math.inf, "learning_rate must be > 0 and finite"),
             (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.alpha > 0.0, "alpha must be > 0"),
+            (0.0 < self.alpha < math.inf, "alpha must be > 0 and finite"),
             (":" in self.task, "task must be 'package.module:TaskClass' or 'path/to/file.py:TaskClass'"),
             (self.min_nodes >= 1, "min_nodes must be >= 1"),
             (self.max_failed_rounds >= 0, "max_failed_rounds must be >= 0"),

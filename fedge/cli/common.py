@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,13 +13,21 @@ import typer
 
 from fedge.config import ConfigError
 
-__all__ = ["config_errors", "configure_logging", "fail", "interrupt_on_sigterm"]
+__all__ = ["check_finite", "config_errors", "configure_logging", "fail", "interrupt_on_sigterm"]
 
 
 def fail(message: str) -> typer.Exit:
     """Print one line naming the problem to stderr and return the exit to raise."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code=2)
+
+
+def check_finite(value: float, flag: str) -> float:
+    """``value`` if it is a finite number (click's ranges let NaN through), else the command's one-line
+    error naming ``flag``."""
+    if not math.isfinite(value):
+        raise fail(f"{flag} must be a finite number, got {value}")
+    return value
 
 
 @contextmanager

@@ -35,7 +35,8 @@ _DEVICES = typer.Option(..., "--devices", help="Fleet TOML file ([[device]] tabl
 _OBJECTIVE = typer.Option(
     "throughput", "--objective", help="'throughput' (pipeline) or 'latency' (one batch)."
 )
-_BATCH = typer.Option(1, "--batch", min=1, help="Examples per batch to plan for.")
+_BATCH = typer.Option(1, "--batch", min=1, max=65536, help="Examples per batch to plan for.")
+_MAX_FEED_BYTES = 1 << 30  # the example batch is built, calibrated on and saved: keep it to 1 GiB
 _BOUNDARY = typer.Option("fp32", "--boundary", help="Encoding between stages: fp32, fp16 or int8.")
 _OUT = typer.Option(Path("runs/partition"), "--out", help="Directory for plan.json, plan.png, stages.")
 _CALIBRATE = typer.Option(False, "--calibrate", help="Time ONNX Runtime on this host for node costs.")
@@ -76,6 +77,11 @@ def _planned(
         raise ValueError(
             f"--model {model!r}: cannot capture its graph: {type(err).__name__}: {error_line(err)}"
         ) from None
+    feed_bytes = batch * sum(v[:1].nbytes for v in feeds.values())
+    if feed_bytes > _MAX_FEED_BYTES:
+        raise ValueError(
+            f"--batch {batch} makes an example batch of {feed_bytes / 2**30:.1f} GiB (at most 1 GiB)"
+        )
     feeds = {k: np.concatenate([v[:1]] * batch) for k, v in feeds.items()}
     cal = run_calibration(onnx_model, graph, feeds, host_flops_per_s=host_flops) if calibrate else None
     cost = CostModel(graph, fleet, batch=batch, boundary=boundary, calibration=cal)
@@ -85,6 +91,11 @@ def _planned(
             "no partition is feasible on these devices (their memory, or a stage no device or link can carry)"
         )
     return onnx_model, graph, feeds, result
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory")
 
 
 def partition_plan(
@@ -102,6 +113,7 @@ def partition_plan(
     from fedge.partitioning.plot import plot_plan
 
     with config_errors():
+        _check_out_dir(out)
         _, _, _, result = _planned(model, devices, objective, batch, boundary, calibrate, host_flops)
     typer.echo(result.explain())
     write_bytes_atomic(out / "plan.json", json.dumps(result.to_json(), indent=1).encode())
@@ -127,6 +139,7 @@ def partition_export(
     from fedge.partitioning.stages import export_stages
 
     with config_errors():
+        _check_out_dir(out)
         onnx_model, graph, feeds, result = _planned(
             model, devices, objective, batch, boundary, calibrate, host_flops
         )

@@ -24,7 +24,9 @@ def predict(
     ),
     out: Path | None = typer.Option(None, "--out", help="Also write predictions here (.csv or .npy)."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Rows per inference call."),
-    threads: int = typer.Option(0, "--threads", min=0, help="Intra-op threads (0: the CPUs available)."),
+    threads: int = typer.Option(
+        0, "--threads", min=0, max=256, help="Intra-op threads (0: the CPUs available)."
+    ),
     no_arena: bool = typer.Option(False, "--no-arena", help="Turn ORT's memory arena off (less memory)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of lines."),
     raw: bool = typer.Option(
@@ -50,7 +52,9 @@ def predict(
     from fedge.inference.io import is_class_scores, read_named_inputs, write_outputs
 
     if not model.is_file():
-        raise fail(f"model file {model} does not exist")
+        raise fail(f"model file {model} {'is a directory' if model.is_dir() else 'does not exist'}")
+    if out is not None and (out.suffix not in (".csv", ".npy") or out.is_dir()):
+        raise fail(f"--out {out} must be a .csv or .npy file")
     server = ModelServer(SessionConfig(intra_op_threads=threads, memory_arena=not no_arena))
     loaded = server.load(model)
     if not loaded.ok:

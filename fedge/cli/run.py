@@ -133,6 +133,7 @@ def simulate(
             raise ConfigError("the [split] table configures split training: add --split")
         sim = SimulationConfig.from_toml(config, flags) if config else SimulationConfig.from_mapping(flags)
         load_task(sim.app.task, sim.app.task_args)
+        _check_out_dir(out)
     configure_logging(verbose)
     with config_errors():  # e.g. more clients than the task's data can be split into
         app = sim.app
@@ -160,6 +161,8 @@ def simulate(
         raise typer.Exit(1) from None
     except ConfigError as err:  # e.g. a task whose evaluate() returns no accuracy
         raise fail(str(err)) from None
+    except ConnectionError as err:  # the mqtt engine's broker
+        raise fail(str(err)) from None
     except KeyboardInterrupt:
         kept = f"; its metrics and plots are in {out}" if completed else ""
         console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
@@ -186,6 +189,7 @@ def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbo
 
     with config_errors():
         split_sim = load_split_simulation(config, flags)
+        _check_out_dir(out)
     configure_logging(verbose)
     sim, settings = split_sim.sim, split_sim.split
     with config_errors():  # the task's data split, a model that is not a chain, a fleet where nobody fits
@@ -211,6 +215,12 @@ def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbo
     console.print(split_summary_table(history))
     plots = ", ".join(str(out / name) for name in ("accuracy.png", "accuracy_vs_time.png"))
     console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse an ``--out`` the run could not write its metrics and plots into, before it starts."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
 
 
 def _codec_policy(spec: str, model: Any) -> str:

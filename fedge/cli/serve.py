@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from fedge.cli.common import config_errors, configure_logging, fail
+from fedge.cli.common import check_finite, config_errors, configure_logging, fail
 
 __all__ = ["infer", "serve"]
 
@@ -74,12 +74,15 @@ def infer(
         None, "--input", help="Inputs: .npy (batch first), .csv (one row per line) or .npz (inputs by name)."
     ),
     status: bool = typer.Option(False, "--status", help="Show every device's serving status instead."),
-    timeout: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds to wait for the answer."),
+    timeout: float = typer.Option(
+        10.0, "--timeout", min=0.1, max=86400.0, help="Seconds to wait for the answer."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Ask a device for predictions, or (with --status) list devices' model versions and latencies."""
     from fedge.transport.config import MqttConfig
 
+    check_finite(timeout, "--timeout")
     with config_errors():
         config = MqttConfig(broker_url=broker, fleet=fleet)
     if status:

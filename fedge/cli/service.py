@@ -17,7 +17,12 @@ __all__ = ["agent", "coordinator", "status"]
 
 
 def coordinator(
-    config: Path = typer.Option(..., "--config", help="coordinator.toml (state_dir, [mqtt], [app])."),
+    config: Path = typer.Option(
+        ...,
+        "--config",
+        help="coordinator.toml: state_dir (default ./coordinator-state), [mqtt] (default broker "
+        "mqtt://127.0.0.1:1883, fleet 'default'), [app] (the run's settings).",
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue after the last completed round."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
     log_json: bool = typer.Option(False, "--log-json", help="Log one JSON object per line."),
@@ -84,14 +89,19 @@ def status(
 ) -> None:
     """Show the coordinator's round, online nodes and last accuracy (or, with --audit, who counted when)."""
     from fedge.app.coordinator import CoordinatorConfig
-    from fedge.server.audit import AUDIT_FILE, counted_rounds
+    from fedge.server.audit import AUDIT_FILE, audit_events, counted_rounds
     from fedge.server.service import read_status
 
     with config_errors():
         state_dir = Path(CoordinatorConfig.from_toml(config).service.state_dir)
         current = {} if audit else read_status(state_dir)
     if audit:
-        counted = counted_rounds(state_dir / AUDIT_FILE)
+        log = state_dir / AUDIT_FILE
+        if not log.is_file():
+            raise fail(f"no audit log {log}: not a coordinator's state directory, or no round has run yet")
+        counted = counted_rounds(log)
+        if not counted and log.stat().st_size and not audit_events(log):
+            raise fail(f"{log} holds no audit events")
         if json_out:
             typer.echo(json.dumps(counted))
         for node, rounds in counted.items() if not json_out else ():

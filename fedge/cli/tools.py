@@ -5,11 +5,12 @@ Imported by the CLI at start-up, so heavy modules (amqtt, asyncio servers) are i
 
 from __future__ import annotations
 
+import math
 import socket
 
 import typer
 
-from fedge.cli.common import fail
+from fedge.cli.common import check_finite, fail
 
 __all__ = ["broker_command", "netem_command"]
 
@@ -59,8 +60,10 @@ def netem_command(
 
     from fedge.localnet.netem import LinkProfile, LossyLinkProxy
 
+    for flag, value in (("--latency-ms", latency_ms), ("--jitter-ms", jitter_ms)):
+        check_finite(value, flag)
     for flag, value in (("--rate-mbps", rate_mbps), ("--reset-mean-s", reset_mean_s)):
-        if value is not None and value <= 0:
+        if value is not None and not 0 < value < math.inf:
             raise fail(f"{flag} must be positive, got {value:g}")
     host, _, port_text = upstream.rpartition(":")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:

@@ -72,6 +72,7 @@ class AgentConfig:
                 f"[link] has unknown keys {sorted(unknown)}: use uplink_mbit_s, downlink_mbit_s, latency_ms"
             )
         DeviceProfile(**self.link)  # its checks, with its messages
+        _check_partition(self.node_config)
         try:
             validate_name(self.node_id, "node id")
             if self.node_id in RESERVED_NODE_IDS:
@@ -116,3 +117,26 @@ class AgentConfig:
         if mqtt.username is None and isinstance(node_id, str):
             mqtt = dataclasses.replace(mqtt, username=node_id)
         return from_table(cls, {**values, "mqtt": mqtt})
+
+
+def _check_partition(node_config: dict[str, Any]) -> None:
+    """``partition-id`` and ``num-partitions``, where given, name one of the partitions (else the agent would
+    go online and fail only when a round reached it)."""
+    partition, partitions = (_integer(node_config, key) for key in ("partition-id", "num-partitions"))
+    if partitions is not None and partitions < 1:
+        raise ConfigError(f"[node_config] num-partitions must be >= 1, got {partitions}")
+    if partition is not None and (partition < 0 or (partitions is not None and partition >= partitions)):
+        bound = f"0..{partitions - 1}" if partitions is not None else ">= 0"
+        raise ConfigError(f"[node_config] partition-id must be in {bound}, got {partition}")
+
+
+def _integer(node_config: dict[str, Any], key: str) -> int | None:
+    """``node_config[key]`` as the ClientApp reads it (``int(...)``: an integer or its digits), or None."""
+    value = node_config.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"[node_config] {key} must be an integer, got {value!r}")
+    return value

@@ -121,6 +121,8 @@ class InferenceAgentConfig:
             raise ConfigError(f"model_work_nice must be in 0..{MAX_NICE}, got {self.model_work_nice}")
         if not 0.0 <= self.canary_min_accuracy <= 1.0:
             raise ConfigError(f"canary_min_accuracy must be in [0, 1], got {self.canary_min_accuracy}")
+        if self.model_dir and Path(self.model_dir).exists() and not Path(self.model_dir).is_dir():
+            raise ConfigError(f"model_dir {self.model_dir} is a file, not a directory")
 
     @classmethod
     def from_toml(cls, path: str | Path) -> InferenceAgentConfig:

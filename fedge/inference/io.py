@@ -38,7 +38,7 @@ def read_inputs(path: str | Path) -> np.ndarray:
     (:func:`~fedge.inference.feeds.as_input`)."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"input file {path} does not exist")
+        raise InputError(f"input file {path} {_missing(path)}")
     try:
         if path.suffix == ".npy":
             with open(path, "rb") as handle:  # numpy reads anything else as a pickle, and says so
@@ -64,7 +64,7 @@ def read_named_inputs(path: str | Path) -> dict[str, np.ndarray]:
     batch size."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"input file {path} does not exist")
+        raise InputError(f"input file {path} {_missing(path)}")
     try:
         with zipfile.ZipFile(path) as archive:
             named = {
@@ -98,6 +98,11 @@ def fit_to_shape(rows: np.ndarray, shape: list[int | str | None]) -> np.ndarray:
             f"each input row has {per_row} values but the model takes {want} (shape {shape[1:]})"
         )
     return rows.reshape(len(rows), *fixed)
+
+
+def _missing(path: Path) -> str:
+    """Why ``path`` is not a file, for an error line."""
+    return "is a directory" if path.is_dir() else "does not exist"
 
 
 def write_predictions(path: str | Path, predictions: np.ndarray, scores: np.ndarray | None = None) -> Path:

@@ -30,6 +30,7 @@ __all__ = [
 # Opsets this runtime is known to run; a model outside them is refused before it reaches ORT.
 MIN_OPSET = 13  # per-channel QDQ needs 13
 MAX_OPSET = 21
+MAX_THREADS = 256  # intra-op threads a session may ask for (ORT starts each one, whatever the CPUs)
 
 
 def available_cpus() -> int:
@@ -68,8 +69,8 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.intra_op_threads < 0:
-            raise ValueError(f"intra_op_threads must be >= 0, got {self.intra_op_threads}")
+        if not 0 <= self.intra_op_threads <= MAX_THREADS:
+            raise ValueError(f"intra_op_threads must be in 0..{MAX_THREADS}, got {self.intra_op_threads}")
 
     def threads(self) -> int:
         """The intra-op thread count this configuration resolves to on this machine."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import socket
 import struct
@@ -64,6 +65,10 @@ class LinkProfile:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("latency_ms", "jitter_ms", "burst_bytes", "rate_bytes_per_s", "reset_mean_s"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.latency_ms < 0 or self.jitter_ms < 0:
             raise ValueError("latency_ms and jitter_ms must be >= 0")
         if self.burst_bytes is not None and self.burst_bytes <= 0:

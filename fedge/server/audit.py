@@ -30,7 +30,7 @@ from typing import Any
 
 from fedge.protocol.fleet import flower_node_id
 
-__all__ = ["AUDIT_FILE", "AuditLog", "counted_rounds"]
+__all__ = ["AUDIT_FILE", "AuditLog", "audit_events", "counted_rounds"]
 
 AUDIT_FILE = "audit.jsonl"
 
@@ -55,6 +55,9 @@ class AuditLog:
 
     def write(self, event: dict[str, Any]) -> None:
         """Append one event (the transport's ``audit`` callback)."""
+        server_round = event.get("round")
+        if isinstance(server_round, str) and server_round.isdigit():  # a message's group id: one type
+            event = {**event, "round": int(server_round)}
         with self._lock:
             self._handle.write(json.dumps(event) + "\n")
             self._handle.flush()
@@ -117,6 +120,17 @@ class AuditLog:
 def counted_rounds(path: str | Path) -> dict[str, list[int]]:
     """Per node, the rounds its update counted in, computed from the log (each round at most once)."""
     return {node: sorted(rounds) for node, rounds in sorted(_scan(Path(path))[0].items())}
+
+
+def audit_events(path: str | Path) -> int:
+    """How many lines of the log are events (JSON objects naming one); damaged lines are not."""
+    events = 0
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            events += isinstance(json.loads(line).get("event"), str)
+        except (ValueError, AttributeError):
+            continue
+    return events
 
 
 def _ends_mid_line(path: Path) -> bool:

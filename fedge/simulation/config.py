@@ -74,6 +74,8 @@ class SimulationConfig:
             raise ConfigError(f"clients must be >= 1, got {self.clients!r}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers!r}")
+        if self.broker and self.engine != "mqtt":
+            raise ConfigError(f"broker is for the mqtt engine; this run's engine is {self.engine}")
         if self.fleet is not None and self.engine == "mqtt":
             raise ConfigError("a simulated fleet runs on the local or ray engine (mqtt runs in real time)")
         if (

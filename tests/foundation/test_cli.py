@@ -59,6 +59,9 @@ def test_config_file_and_flags_combine(tmp_path):
         ([], "this is not toml", "not valid TOML"),
         ([], "learning_rate = inf\n", "learning_rate must be > 0 and finite"),
         ([], "alpha = nan\n", "alpha must be a number, got nan"),
+        (["--alpha", "inf"], None, "alpha must be > 0 and finite"),
+        (["--broker", "mqtt://127.0.0.1:1"], None, "broker is for the mqtt engine"),
+        (["--out", "pyproject.toml"], None, "--out pyproject.toml is a file, not a directory"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, toml, needle):
@@ -179,6 +182,17 @@ def test_more_clients_than_the_data_can_split_is_one_line(tmp_path):
         ("coordinator", 'state_dir = "{tmp}/s"\nmqtt = 5\n', "mqtt must be a table, got 5"),
         ("agent", 'node_id = "n1"\nstate_dir = "/proc/none/s"\n', "cannot create the state directory"),
         ("agent", 'node_id = "coordinator"\nstate_dir = "{tmp}/s"\n', "is reserved for the coordinator"),
+        (
+            "agent",
+            'node_id = "n1"\nstate_dir = "{tmp}/s"\n'
+            '[node_config]\n"partition-id" = 5\n"num-partitions" = 2\n',
+            "partition-id must be in 0..1, got 5",
+        ),
+        (
+            "agent",
+            'node_id = "n1"\nstate_dir = "{tmp}/s"\n[node_config]\n"partition-id" = 1.5\n',
+            "partition-id must be an integer",
+        ),
     ],
 )
 def test_bad_service_configs_are_one_line(tmp_path, command, toml, needle):
@@ -187,6 +201,24 @@ def test_bad_service_configs_are_one_line(tmp_path, command, toml, needle):
     result = runner.invoke(app, [command, "--config", str(path)])
     assert result.exit_code == 2 and needle in result.output, result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("log", "needle"),
+    [(None, "no audit log"), ("not json\n{]\n", "holds no audit events"), ("dir", "no audit log")],
+)
+def test_status_audit_of_a_missing_or_damaged_log_is_one_line(tmp_path, log, needle):
+    state = tmp_path / "s"
+    state.mkdir()
+    if log == "dir":
+        (state / "audit.jsonl").mkdir()
+    elif log is not None:
+        (state / "audit.jsonl").write_text(log)
+    path = tmp_path / "c.toml"
+    path.write_text(f'state_dir = "{state}"\n')
+    result = runner.invoke(app, ["status", "--config", str(path), "--audit"])
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_status_of_a_file_that_is_not_a_coordinators_is_one_line(tmp_path):

@@ -61,6 +61,11 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
         (["--model", str(tmp_path / "missing.onnx"), "--input", str(wrong)], "does not exist"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong)], "3 values but the model takes 64"),
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "nope.npy")], "does not exist"),
+        (["--model", str(tmp_path), "--input", str(wrong)], "is a directory"),
+        (["--model", str(variants["fp32"][0]), "--input", str(tmp_path)], "is a directory"),
+        (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", str(tmp_path)], "--out"),
+        (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", "p.txt"], ".csv or .npy"),
+        (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--threads", "100000"], "--threads"),
     ]
     for args, message in cases:
         result = runner.invoke(app, ["predict", *args])
