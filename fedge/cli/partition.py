@@ -144,7 +144,10 @@ def partition_export(
             model, devices, objective, batch, boundary, calibrate, host_flops
         )
     typer.echo(result.explain())
-    artefacts, written = export_stages(onnx_model, graph, result, out)
+    try:
+        artefacts, written = export_stages(onnx_model, graph, result, out)
+    except Exception as err:  # an ONNX check of a stage, a disk that refuses the files
+        raise fail(f"cannot export the stages to {out}: {type(err).__name__}: {error_line(err)}") from None
     write_bytes_atomic(out / "model.onnx", onnx_model.SerializeToString())
     np.savez(out / "example_input.npz", **feeds)
     plot_plan(result, out / "plan.png")

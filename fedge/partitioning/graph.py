@@ -156,16 +156,18 @@ class ModelGraph:
         out_bytes = np.zeros(n)
         # Difference arrays: a tensor crosses every cut in [producer + 1, last_use].
         diff = {key: np.zeros(n + 2) for key in ("float", "other", "fixed", "count")}
+        raw = {*self.inputs, *self.outputs}  # the model's own input and outputs are never re-encoded
         for t in self.tensors.values():
             if 0 <= t.producer < n:
                 out_bytes[t.producer] += t.bytes_per_sample + t.fixed_bytes
             lo, hi = t.producer + 1, t.last_use + 1
             if lo >= hi:
                 continue
+            coded = t.is_float and t.name not in raw
             for key, value in (
-                ("float" if t.is_float else "other", t.bytes_per_sample),
+                ("float" if coded else "other", t.bytes_per_sample),
                 ("fixed", t.fixed_bytes),
-                ("count", 1 if t.is_float else 0),
+                ("count", 1 if coded else 0),
             ):
                 diff[key][lo] += value
                 diff[key][hi] -= value

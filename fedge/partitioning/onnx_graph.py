@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import math
 import warnings
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ __all__ = ["OPSET", "capture", "export_onnx", "extract_stage", "graph_from_onnx"
 
 OPSET = 17
 """The pinned opset of every export."""
+
+log = logging.getLogger(__name__)
 
 _ELEMENTWISE = {
     "Add",
@@ -77,27 +80,47 @@ def export_onnx(model: Any, example_inputs: Any, *, opset: int = OPSET) -> onnx.
     import torch  # here: the planner itself must not need torch
 
     inputs = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
-    model = model.eval()
-    with torch.no_grad():
-        outputs = model(*inputs)
-    n_out = len(outputs) if isinstance(outputs, tuple | list) else 1
-    names_in = [f"input_{k}" for k in range(len(inputs))]
-    names_out = [f"output_{k}" for k in range(n_out)]
+    training = model.training
+    model.eval()
     buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(
-            model,
-            tuple(inputs),
-            buffer,
-            dynamo=False,
-            opset_version=opset,
-            input_names=names_in,
-            output_names=names_out,
-            dynamic_axes={name: {0: "batch"} for name in names_in + names_out},
-            do_constant_folding=True,
-        )
+    try:
+        with torch.no_grad():
+            outputs = model(*inputs)
+        n_out = len(outputs) if isinstance(outputs, tuple | list) else 1
+        names_in = [f"input_{k}" for k in range(len(inputs))]
+        names_out = [f"output_{k}" for k in range(n_out)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # the deprecation notice is dropped, a trace's doubts kept
+            torch.onnx.export(
+                model,
+                tuple(inputs),
+                buffer,
+                dynamo=False,
+                opset_version=opset,
+                input_names=names_in,
+                output_names=names_out,
+                dynamic_axes={name: {0: "batch"} for name in names_in + names_out},
+                do_constant_folding=True,
+            )
+    finally:
+        model.train(training)
+    _warn_trace_doubts(caught, torch.jit.TracerWarning)
     return _constants_to_initializers(onnx.load_from_string(buffer.getvalue()))
+
+
+def _warn_trace_doubts(caught: list[warnings.WarningMessage], tracer_warning: type) -> None:
+    """Say, once, that the trace followed the example input's values (a Python branch on a tensor, a
+    tensor turned into a number): the exported graph, and every stage cut from it, computes what that
+    input took, whatever later inputs would."""
+    doubts = [w for w in caught if issubclass(w.category, tracer_warning)]
+    if doubts:
+        first = str(doubts[0].message).splitlines()[0].split(". ")[0]
+        log.warning(
+            "the model's trace depends on its example input's values (%d place(s); first: %s): "
+            "the exported graph computes what that input took",
+            len(doubts),
+            first,
+        )
 
 
 def input_names(model: onnx.ModelProto) -> list[str]:
@@ -140,9 +163,13 @@ def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return {v.name: v.type for v in [*g.value_info, *g.input, *g.output]}
 
 
-def _measured_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, onnx.TypeProto]:
-    """Types of every node output as ONNX Runtime computes them at batch 2 and 3 (dims that change
-    with the batch are the symbolic batch dimension)."""
+def _measured_types(
+    model: onnx.ModelProto, feeds: dict[str, np.ndarray]
+) -> tuple[dict[str, onnx.TypeProto], dict[str, tuple[int, int]]]:
+    """Every node output as ONNX Runtime computes it at batch 2 and 3: its type (dims that change with the
+    batch are symbolic: ``batch`` in dimension 0, ``batch_<k>`` elsewhere), and its bytes as ``(per
+    example, fixed)``, read off the two sizes, so a tensor whose batch is not dimension 0 (a sequence-first
+    attention's ``(S, B, E)``) or is folded into another dimension (``reshape(-1, 8)``) is sized right."""
     import onnxruntime as ort
 
     probe = onnx.ModelProto()
@@ -159,19 +186,33 @@ def _measured_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dic
     for batch in (2, 3):
         batched = {k: np.concatenate([v[:1]] * batch) for k, v in feeds.items()}
         runs.append(dict(zip(wanted, session.run(wanted, batched), strict=True)))
-    out = {}
+    types, sizes = {}, {}
     for name in wanted:
         a, b = np.asarray(runs[0][name]), np.asarray(runs[1][name])
-        if a.ndim != b.ndim:
+        per = b.nbytes - a.nbytes
+        if per >= 0 and a.nbytes - 2 * per >= 0:  # affine in the batch, as every batched tensor is
+            sizes[name] = (per, a.nbytes - 2 * per)
+        if a.ndim != b.ndim or a.dtype.hasobject or a.dtype.kind in "SU":
             continue
         dims: list[int | str] = [
-            "batch" if k == 0 and a.shape[0] != b.shape[0] else a.shape[k] for k in range(a.ndim)
+            a.shape[k] if a.shape[k] == b.shape[k] else ("batch" if k == 0 else f"batch_{k}")
+            for k in range(a.ndim)
         ]
-        if any(isinstance(d, int) and a.shape[k] != b.shape[k] for k, d in enumerate(dims)):
-            continue  # another data-dependent dim: leave it to inference
-        elem = helper.np_dtype_to_tensor_dtype(a.dtype)
-        out[name] = helper.make_tensor_type_proto(elem, dims)
-    return out
+        types[name] = helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(a.dtype), dims)
+    return types, sizes
+
+
+def _record_types(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> None:
+    """Write measured types into ``model``'s value_info where static inference has no full shape, so a
+    stage cut from it has typed inputs and outputs (ONNX requires a shape on a graph's inputs)."""
+    inferred = _value_types(model)
+    io_names = {v.name for v in [*model.graph.input, *model.graph.output]}
+    known = {v.name for v in model.graph.value_info}
+    for name, tp in types.items():
+        static = inferred.get(name)
+        if name in io_names or name in known or (static is not None and _dims(static) is not None):
+            continue
+        model.graph.value_info.append(helper.make_value_info(name, tp))
 
 
 def _dims(tp: onnx.TypeProto | None) -> tuple[list[int], bool] | None:
@@ -203,8 +244,11 @@ def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None 
         as in attention); otherwise only inferred shapes are used and unknown ones count as 0 bytes.
     """
     types = _value_types(model)
+    measured: dict[str, tuple[int, int]] = {}
     if feeds is not None:
-        types.update(_measured_types(model, feeds))
+        measured_types, measured = _measured_types(model, feeds)
+        _record_types(model, measured_types)
+        types.update(measured_types)
     g = model.graph
     weight_bytes = {i.name: int(numpy_helper.to_array(i).nbytes) for i in g.initializer}
     outputs = [o.name for o in g.output]
@@ -225,7 +269,7 @@ def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None 
             Node(
                 node.name or f"node{k}",
                 node.op_type,
-                _flops(node, types, weight_bytes, g),
+                _flops(node, types, weight_bytes, g, measured),
                 acts,
                 tuple(y for y in node.output if y),
                 weights,
@@ -237,12 +281,17 @@ def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None 
     for name, prod in producer.items():
         tp = types.get(name)
         shape = _dims(tp)
-        if shape is None:  # unknown shape: count nothing rather than guess (rare: shape-computing ops)
+        is_float = tp is not None and tp.tensor_type.elem_type in (
+            onnx.TensorProto.FLOAT,
+            onnx.TensorProto.FLOAT16,
+        )
+        if name in measured:
+            per, fixed = measured[name]
+        elif shape is None:  # unknown shape: count nothing rather than guess (rare: shape-computing ops)
             per, fixed, is_float = 0, 0, False
         else:
             size = math.prod(shape[0]) * _itemsize(tp)
             per, fixed = (size, 0) if shape[1] else (0, size)
-            is_float = tp.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
         tensors[name] = Tensor(name, prod, max(last_use[name], prod), per, fixed, is_float)
     return ModelGraph(tuple(nodes), tensors, weight_bytes, tuple(ins), tuple(outputs))
 
@@ -252,9 +301,29 @@ def _numel(tp: onnx.TypeProto | None) -> int:
     return math.prod(shape[0]) if shape else 0
 
 
-def _flops(node: onnx.NodeProto, types: dict, weight_bytes: dict, g: onnx.GraphProto) -> float:
+def _elements(name: str, types: dict, measured: dict[str, tuple[int, int]]) -> int:
+    """Elements of a tensor per example (all of them, if it has no batch dimension)."""
+    tp = types.get(name)
+    if name in measured and tp is not None and tp.tensor_type.elem_type:
+        per, fixed = measured[name]
+        return (per or fixed) // _itemsize(tp)
+    return _numel(tp)
+
+
+def _dim_from_end(tp: onnx.TypeProto | None, back: int) -> int:
+    """A fixed dimension counted from the end (1 if unknown): a product's inner size, wherever the batch
+    dimension is."""
+    if tp is None or not tp.tensor_type.HasField("shape") or len(tp.tensor_type.shape.dim) < back:
+        return 1
+    dim = tp.tensor_type.shape.dim[-back]
+    return dim.dim_value if dim.HasField("dim_value") else 1
+
+
+def _flops(
+    node: onnx.NodeProto, types: dict, weight_bytes: dict, g: onnx.GraphProto, measured: dict
+) -> float:
     """Floating-point operations per example (multiply and add count as two)."""
-    out = _numel(types.get(node.output[0])) if node.output else 0
+    out = _elements(node.output[0], types, measured) if node.output else 0
     op = node.op_type
     if op in ("Conv", "ConvTranspose"):
         w = (
@@ -265,16 +334,13 @@ def _flops(node: onnx.NodeProto, types: dict, weight_bytes: dict, g: onnx.GraphP
         per_out = math.prod(w.dims[1:]) if w is not None else 1
         return 2.0 * out * per_out
     if op in ("Gemm", "MatMul"):
-        a = _dims(types.get(node.input[0]))
-        k = a[0][-1] if a and a[0] else 1
-        if op == "Gemm" and any(at.name == "transA" and at.i for at in node.attribute) and a:
-            k = a[0][-2] if len(a[0]) > 1 else 1
-        return 2.0 * out * k
+        transposed = op == "Gemm" and any(at.name == "transA" and at.i for at in node.attribute)
+        return 2.0 * out * _dim_from_end(types.get(node.input[0]), 2 if transposed else 1)
     if op in ("MaxPool", "AveragePool"):
         kernel = next((list(at.ints) for at in node.attribute if at.name == "kernel_shape"), [1])
         return float(out * math.prod(kernel))
     if op in _NORM:
-        return float(_NORM[op] * max(out, _numel(types.get(node.input[0]))))
+        return float(_NORM[op] * max(out, _elements(node.input[0], types, measured)))
     if op in _ELEMENTWISE:
         return float(out)
     return 0.0  # data movement: Reshape, Transpose, Gather, Concat, Flatten, ...

@@ -187,6 +187,7 @@ class LocalRunner:
         size = micro_batch or total
         chunks = [{k: v[s : s + size] for k, v in feeds.items()} for s in range(0, total, size)]
         num = len(self.executors)
+        raw = {*feeds, *self.crossing[-1]}  # the model's own input and outputs travel as they are
         queues: list[queue.Queue] = [queue.Queue(maxsize=2) for _ in range(num + 1)]
         link_bytes = [0] * max(num - 1, 0)
         errors: list[BaseException] = []
@@ -202,7 +203,9 @@ class LocalRunner:
                     env.update(self.executors[k].run({name: env[name] for name in self.inputs[k]}))
                     last = k == num - 1
                     out = {
-                        name: env[name] if last else encode(env[name], self.boundary)
+                        name: env[name]
+                        if last
+                        else encode(env[name], "fp32" if name in raw else self.boundary)
                         for name in self.crossing[k]
                     }
                     if not last:
@@ -239,5 +242,24 @@ class LocalRunner:
         if errors:
             raise errors[0]
         self.stats = RunStats(link_bytes, time.perf_counter() - start)
-        names = self.crossing[-1]
-        return {name: np.concatenate([results[i][name] for i in range(len(chunks))]) for name in names}
+        return _joined([results[i] for i in range(len(chunks))], chunks, self.crossing[-1])
+
+
+def _joined(
+    results: list[dict[str, np.ndarray]], chunks: list[dict[str, np.ndarray]], names: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """The micro-batches' outputs as one batch's. An output without the batch first (a scalar, a statistic
+    over the batch, a sequence-first tensor) cannot be joined: a whole batch's is returned as it is, and
+    micro-batches of such a model are refused rather than glued into wrong values."""
+    if len(results) == 1:
+        return dict(results[0])
+    sizes = [len(next(iter(chunk.values()))) for chunk in chunks]
+    for name in names:
+        for result, size in zip(results, sizes, strict=True):
+            shape = np.shape(result[name])
+            if not shape or shape[0] != size:
+                raise ValueError(
+                    f"output {name} has no batch dimension first (shape {shape} for a micro-batch of {size}):"
+                    " run the model whole (micro-batch 0)"
+                )
+    return {name: np.concatenate([result[name] for result in results]) for name in names}

@@ -129,8 +129,17 @@ def measure_stage_memory(
     front : bool
         A front stage also holds the gradient returned for its output (one more output-sized tensor).
     """
+    # measured in training mode, as it will train; its buffers (BatchNorm's running statistics) and mode are
+    # put back, so measuring the global model does not move it
+    training, buffers = stage.training, [(b, b.detach().clone()) for b in stage.buffers()]
     stage.train()
-    saved, output = _saved_bytes(stage, batch)
+    try:
+        saved, output = _saved_bytes(stage, batch)
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        stage.train(training)
     samples = max(1, batch.shape[0])
     saved_values = -(-saved // (4 * samples))
     output_values = output[0].numel() if output.dim() else 1

@@ -122,13 +122,15 @@ def check_chain(model: nn.Module, example: torch.Tensor, *, atol: float = 1e-4) 
             whole = model(example)
             try:
                 chained = as_chain(model)(example)
-            except RuntimeError as err:  # the layers do not even fit one after the other
+            except Exception as err:  # the layers do not even fit one after the other (an LSTM's tuple)
                 raise ValueError(
-                    f"its chain of layers does not run one after the other ({error_line(err)})"
+                    f"its chain of layers does not run one after the other ({type(err).__name__}: "
+                    f"{error_line(err)})"
                 ) from None
     finally:
         model.train(training)
-    if not isinstance(whole, torch.Tensor) or whole.shape != chained.shape:
+    tensors = isinstance(whole, torch.Tensor) and isinstance(chained, torch.Tensor)
+    if not tensors or whole.shape != chained.shape:
         raise ValueError("the model's forward does not return what its chain of layers does")
     gap = float((whole - chained).abs().max()) if whole.numel() else 0.0
     if not gap <= atol:

@@ -37,6 +37,10 @@ def two():
 
 def raises():
     raise RuntimeError("boom in factory")
+
+
+def wide():
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 128 * 128, 2)), torch.zeros(1, 3, 128, 128)
 """
 
 DEVICES = """
@@ -75,11 +79,18 @@ def _plan(files, *args: str):
         (["--calibrate", "--host-flops", "-1"], "--host-flops must be a positive number"),  # used to hang
         (["--calibrate", "--host-flops", "nan"], "--host-flops must be a positive number"),
         (["--batch", "0"], "Invalid value for '--batch'"),
+        (["--batch", "1000000000"], "Invalid value for '--batch'"),  # used to hang
+        (["--out", "pyproject.toml"], "--out pyproject.toml is a file, not a directory"),
     ],
 )
 def test_bad_plan_flags_are_one_line(files, args, needle):
     result = _plan(files, *args)
     assert result.exit_code == 2 and needle in result.output, result.output
+
+
+def test_a_batch_too_large_to_build_is_one_line(files):
+    result = _plan(files, "--model", f"{files / 'factories.py'}:wide", "--batch", "10000")
+    assert result.exit_code == 2 and "makes an example batch of 1.8 GiB" in result.output, result.output
 
 
 def test_a_failing_factory_is_one_line_and_calibration_runs_a_two_input_model(files):

@@ -173,6 +173,42 @@ def test_check_chain_measures_a_forward_that_runs_but_differs():
     check_chain(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.ones(2, 4))  # a true chain passes
 
 
+def test_a_chain_whose_layers_cannot_follow_each_other_is_refused():
+    """An LSTM's forward picks the output from its tuple; its chain of layers would hand the tuple on."""
+    import torch
+    from torch import nn
+
+    from fedge.split.model import check_chain
+
+    class Recurrent(nn.Module):
+        split_chain = True
+
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.Sequential(nn.LSTM(4, 8, batch_first=True))
+            self.head = nn.Sequential(nn.Flatten(), nn.Linear(24, 2))
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])
+
+    with pytest.raises(ValueError, match=r"does not run one after the other \(AttributeError"):
+        check_chain(Recurrent(), torch.ones(2, 3, 4))
+
+
+def test_measuring_training_memory_leaves_the_models_statistics_alone():
+    import torch
+    from torch import nn
+
+    from fedge.split.memory import MemoryConfig, measure_stage_memory
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 2)).eval()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    memory = measure_stage_memory(model, torch.randn(16, 4) * 5, MemoryConfig(), front=False)
+    assert memory.total_bytes > 0 and not model.training
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_a_model_too_small_to_split_says_so(tmp_path):
     (tmp_path / "tiny.py").write_text(
         "from torch import nn\nfrom fedge.app.task import DigitsTask\n\n\n"

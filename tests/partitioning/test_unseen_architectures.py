@@ -1,0 +1,146 @@
+"""Architectures beyond chains and CNNs: sequence-first attention, folded batches, value-dependent traces,
+outputs without a batch dimension, the model's own outputs crossing an int8 cut."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedge.partitioning import CostModel, Device, Fleet
+from fedge.partitioning.onnx_graph import capture, export_onnx
+from fedge.partitioning.planner import StagePlan, evaluate
+from fedge.partitioning.stages import export_stages, load_runner
+
+FLEET = Fleet(tuple(Device(f"d{i}", 1e9) for i in range(3)))
+
+
+class SeqFirstAttention(nn.Module):
+    """Tokens in, (S, B, E) inside: the batch is dimension 1 of every attention tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.attn = nn.MultiheadAttention(16, 2)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens).transpose(0, 1)
+        a, _ = self.attn(h, h, h)
+        return self.out((h + a).mean(0))
+
+
+class Folded(nn.Module):
+    """A reshape that folds the batch into dimension 0 (``reshape(-1, 4)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)).reshape(-1, 4)).reshape(x.shape[0], -1)
+
+
+def _run_every_cut(model: nn.Module, example: torch.Tensor, fresh: torch.Tensor, tmp_path) -> None:
+    onnx_model, graph, feeds = capture(model, example)
+    cost = CostModel(graph, FLEET, batch=1)
+    with torch.no_grad():
+        expected = model(fresh).numpy()
+    name = next(iter(feeds))
+    for cut in range(1, len(graph)):
+        plan = evaluate(cost, [StagePlan("d0", 0, cut), StagePlan("d1", cut, len(graph))], "throughput")
+        out = tmp_path / f"cut{cut}"
+        export_stages(onnx_model, graph, plan, out)  # every cut exports (stage inputs need shapes)
+        runner = load_runner(out)
+        (result,) = runner.run({name: fresh.numpy()}).values()
+        np.testing.assert_allclose(result, expected, atol=1e-5)
+        arr = graph.arrays
+        predicted = len(fresh) * (arr.cross_float[cut] + arr.cross_other[cut]) + arr.cross_fixed[cut]
+        assert predicted == runner.stats.link_bytes[0], f"cut {cut}"
+
+
+def test_sequence_first_attention_is_sized_and_cut_anywhere(tmp_path):
+    torch.manual_seed(0)
+    _run_every_cut(SeqFirstAttention(), torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (5, 7)), tmp_path)
+
+
+def test_a_batch_folded_into_another_dimension_is_sized_per_example(tmp_path):
+    torch.manual_seed(0)
+    _run_every_cut(Folded(), torch.randn(2, 8), torch.randn(5, 8), tmp_path)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h * 2 if h.sum() > 0 else h - 1
+
+
+def test_a_trace_that_followed_the_example_is_warned_about_and_the_mode_restored(caplog):
+    model = Branchy().train()
+    with caplog.at_level(logging.WARNING, logger="fedge.partitioning"):
+        export_onnx(model, torch.randn(2, 4))
+    assert "trace depends on its example input's values" in caplog.text
+    assert model.training  # the caller's model is left as it was given
+
+
+class TwoOutputs(nn.Module):
+    """Its first output is made early, so it crosses the later cut beside the hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 4), nn.Linear(4, 16), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        early = self.a(x)
+        return early, self.c(torch.relu(self.b(early)))
+
+
+def test_the_models_own_outputs_are_never_re_encoded_at_an_int8_cut(tmp_path):
+    torch.manual_seed(0)
+    model = TwoOutputs().eval()
+    onnx_model, graph, _ = capture(model, torch.randn(2, 6))
+    cost = CostModel(graph, FLEET, batch=1, boundary="int8")
+    cut = next(
+        k for k in range(1, len(graph)) if "output_0" in graph.crossing(k) and len(graph.crossing(k)) > 1
+    )
+    plan = evaluate(cost, [StagePlan("d0", 0, cut), StagePlan("d1", cut, len(graph))], "throughput")
+    export_stages(onnx_model, graph, plan, tmp_path)
+    x = torch.randn(5, 6)
+    outputs = load_runner(tmp_path, boundary="int8").run({"input_0": x.numpy()})
+    with torch.no_grad():
+        early, _ = model(x)
+    # as ORT computes it (int8 would be off by about 1e-2 here), and charged raw
+    np.testing.assert_allclose(outputs["output_0"], early.numpy(), atol=1e-5)
+    assert graph.arrays.cross_other[cut] == 4 * 4 and graph.arrays.cross_float_count[cut] == 1
+
+
+class Statistic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).mean()
+
+
+def test_an_output_without_a_batch_dimension_runs_whole_and_refuses_micro_batches(tmp_path):
+    torch.manual_seed(0)
+    model = Statistic().eval()
+    onnx_model, graph, _ = capture(model, torch.randn(2, 6))
+    cost = CostModel(graph, FLEET, batch=1)
+    plan = evaluate(cost, [StagePlan("d0", 0, 1), StagePlan("d1", 1, len(graph))], "throughput")
+    export_stages(onnx_model, graph, plan, tmp_path)
+    runner = load_runner(tmp_path)
+    x = torch.randn(6, 6)
+    (whole,) = runner.run({"input_0": x.numpy()}).values()
+    with torch.no_grad():
+        assert whole == pytest.approx(float(model(x)), abs=1e-6)
+    with pytest.raises(ValueError, match="has no batch dimension first"):
+        runner.run({"input_0": x.numpy()}, micro_batch=2)
