@@ -23,6 +23,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from fedge.transport.config import MqttConfig
+from fedge.transport.flapping import SESSION_TAKEN_OVER, FlapGuard
 from fedge.transport.mqtt_text import mqtt_text
 
 __all__ = ["MessageProperties", "MqttConnection", "Will"]
@@ -103,6 +104,7 @@ class MqttConnection:
         self.max_packet_size = config.max_packet_size or MQTT_MAX_PACKET
         self.receive_maximum = 65535
         self.connects = 0
+        self._flaps = FlapGuard(config.reconnect_min_s, config.reconnect_max_s)
         self._client = self._make_client(self.protocol, client_id)
 
     @property
@@ -359,6 +361,7 @@ class MqttConnection:
             self.max_packet_size = getattr(props, "MaximumPacketSize", MQTT_MAX_PACKET)
             self.receive_maximum = getattr(props, "ReceiveMaximum", 65535)
         self.connects += 1
+        self._flaps.connected(time.monotonic())
         for topic_filter in list(self._routes):
             client.subscribe(topic_filter, qos=1)
         self._connected.set()
@@ -379,6 +382,15 @@ class MqttConnection:
         self._connected.clear()
         if was_connected and not self._closed:
             logger.info("lost connection to %s: %s", self.config.broker_url, reason)
+            taken_over = getattr(reason, "value", reason) == SESSION_TAKEN_OVER
+            if self._flaps.disconnected(time.monotonic(), taken_over):
+                logger.error(
+                    "the broker keeps closing client %s right after accepting it: another live client uses "
+                    "this client id (a second process with this node id, or a broker with "
+                    "use_username_as_clientid and two connections of one user); reconnecting more slowly",
+                    self.client_id,
+                )
+            self._client.reconnect_delay_set(self._flaps.reconnect_delay_s(), self.config.reconnect_max_s)
             if self._on_disconnected is not None:
                 self._on_disconnected()
 

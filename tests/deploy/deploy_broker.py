@@ -21,6 +21,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from fedge.localnet.broker import free_port, wait_for_port
 
@@ -152,12 +154,13 @@ class Probe:
         password: str | None = None,
         *,
         client_id: str = "",
+        clean_start: bool = True,
         ca_file: str | None = None,
         tls: bool = False,
         cert_file: str | None = None,
         key_file: str | None = None,
     ) -> None:
-        self.port = port
+        self.port, self.clean_start = port, clean_start
         self.messages: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.connack: ReasonCode | None = None
         self.disconnected = threading.Event()
@@ -186,7 +189,11 @@ class Probe:
         A failed TLS handshake raises ``ssl.SSLError`` (or ``ConnectionError`` when the server's refusal
         only shows after the handshake, as with TLS 1.3 and a missing client certificate).
         """
-        self.client.connect("127.0.0.1", self.port, keepalive=30)
+        properties = Properties(PacketTypes.CONNECT)
+        properties.SessionExpiryInterval = 3600  # a session that outlives its connection, as fedge's do
+        self.client.connect(
+            "127.0.0.1", self.port, keepalive=30, clean_start=self.clean_start, properties=properties
+        )
         self.client.loop_start()
         if not self._connected.wait(TIMEOUT_S):
             raise TimeoutError("no CONNACK")

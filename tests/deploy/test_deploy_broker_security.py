@@ -107,16 +107,35 @@ def test_coordinator_cannot_pose_as_a_node(connect):
     assert observer.received(until=b"barrier") == [(ack_topic(TOPICS.outbox(NODE_A)), b"barrier")]
 
 
-def test_node_cannot_take_over_another_nodes_session(connect):
-    node_b = connect(NODE_B, client_id=f"fedge-test-fleet-{NODE_B}")
+def test_a_node_claiming_another_nodes_client_id_gets_none_of_its_messages(connect):
+    """Without ``use_username_as_clientid`` (fedge holds several connections per user) a node with valid
+    credentials can claim another's client id and session: the broker disconnects the owner, but delivery is
+    checked against the thief's username, so the session's subscription brings it nothing."""
+    client_id = f"fedge-test-fleet-{NODE_B}"
+    node_b = connect(NODE_B, client_id=client_id)
     node_b.subscribe(TOPICS.inbox(NODE_B))
-    # Node B's client id: without use_username_as_clientid the broker would drop B and give A its session.
-    connect(NODE_A, client_id=f"fedge-test-fleet-{NODE_B}")
+    thief = connect(NODE_A, client_id=client_id, clean_start=False)  # B's session, subscription included
+    thief.subscribe(TOPICS.inbox(NODE_A))  # its own inbox: the barrier's way in
     coordinator = connect("coordinator")
-    coordinator.publish(TOPICS.inbox(NODE_B), b"still yours")
+    coordinator.publish(TOPICS.inbox(NODE_B), b"for B only")
+    coordinator.publish(TOPICS.inbox(NODE_A), b"barrier")
 
-    assert node_b.received(until=b"still yours") == [(TOPICS.inbox(NODE_B), b"still yours")]
-    assert not node_b.disconnected.is_set()
+    assert thief.received(until=b"barrier") == [(TOPICS.inbox(NODE_A), b"barrier")]
+    assert node_b.disconnected.wait(5)  # what it costs the owner: its connection (it reconnects)
+
+
+def test_one_user_may_hold_several_connections(connect):
+    """The coordinator (its Grid and its model distribution) and an inference agent (requests and models,
+    per replica) each hold more than one connection under one username."""
+    first = connect(NODE_A, client_id=f"fedge-test-fleet-{NODE_A}")
+    second = connect(NODE_A, client_id=f"{NODE_A}-models")
+    coordinator = connect("coordinator")
+    for probe in (first, second):
+        probe.subscribe(TOPICS.inbox(NODE_A))
+    coordinator.publish(TOPICS.inbox(NODE_A), b"to both")
+    for probe in (first, second):
+        assert probe.received(until=b"to both") == [(TOPICS.inbox(NODE_A), b"to both")]
+    assert not first.disconnected.is_set() and not second.disconnected.is_set()
 
 
 def test_tls_listener_accepts_a_client_trusting_the_fleet_ca(broker, secrets):
