@@ -8,8 +8,8 @@ The data side is fedge's own (:mod:`fedge.app.digits`): the bundled 1,797 8×8 d
 test split and a Dirichlet split of the training rows over clients. What differs from the reference
 ``DigitsTask`` is the model: ``nn.BatchNorm2d`` layers carry running statistics (``running_mean``,
 ``running_var``) and a ``num_batches_tracked`` counter as buffers, which travel and are averaged with the
-weights. Use it with dense FedAvg (the default): the compressed codecs cannot yet encode 0-d buffers such
-as ``num_batches_tracked``.
+weights. The compressed codecs send them dense by default (their names match the codecs' dense patterns);
+the server averages them plainly, outside any robust rule, screening norm or clipping.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from fedge.server.counted import (
     counted_state,
 )
 from fedge.server.downlink import DownlinkConfig, Download, ModelBroadcast
+from fedge.server.optimizers import statistics
 from fedge.server.report import RoundReport
 from fedge.server.screening import (
     Rejected,
@@ -301,6 +302,7 @@ class CompressedChannel:
                     weighted_by_key=self.weighted_by_key,
                     shapes=shapes,
                     schema=self._node_schemas.get(node, self._schema),
+                    statistics=statistics(self._dtypes),
                 )
             except Rejected as rejection:
                 self.reject(server_round, node, rejection)

@@ -98,6 +98,11 @@ class RobustConfig:
        average would (``x ← x + η · Δ`` for ``avg``), so the server learning rate that suits sparse FedAvg
        suits these rules too.
 
+    Statistics (BatchNorm's running means and variances and its batch counter,
+    :func:`fedge.server.optimizers.statistics`) take no part in steps 1-5: they move by what each client's
+    data says, not by what it learned (a counter's +28 to +48 a round made honest clients near-duplicates
+    and set the median norm), so the kept updates' changes of them are averaged as they are.
+
     Order statistics and the share ``c_j / n`` are unweighted (as in Flower's FedMedian and
     FedTrimmedAvg): a client claiming many examples gains nothing. With dense codecs every client sends
     every coordinate (``c_j = n``) and the rules are Flower's coordinate-wise median and trimmed mean of the
@@ -213,14 +218,17 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         if not accepted:
             return None, None
         limit = self.robust.clip_ratio * float(np.median([reply.norm for reply in accepted]))
-        updates, aggregated, clipped = [], [], 0
+        stats = statistics(self._dtypes)
+        updates, measured, aggregated, clipped = [], [], [], 0
         for reply in accepted:
             scale = min(1.0, limit / reply.norm) if reply.norm > 0 and math.isfinite(limit) else 1.0
             try:
-                updates.append(self._sparse(reply, scale))
+                update, statistics_delta = self._sparse(reply, scale, stats)
             except CodecError as err:  # validated while screening; this guards the invariant, not the input
                 self.channel.reject(server_round, reply.node_id, Rejected("undecodable", str(err)))
                 continue
+            updates.append(update)
+            measured.append(statistics_delta)
             clipped += scale < 1.0
             aggregated.append(reply)
         size = sum(array.size for array in self._model.values())
@@ -230,9 +238,11 @@ class RobustStreamingFedAvg(StreamingFedAvg):
                 keep[member] = False
         twins = [reply.node_id for reply, kept in zip(aggregated, keep, strict=True) if not kept]
         updates = [update for update, kept in zip(updates, keep, strict=True) if kept]
+        measured = [delta for delta, kept in zip(measured, keep, strict=True) if kept]
         aggregated = [reply for reply, kept in zip(aggregated, keep, strict=True) if kept]
         keep = self._keep(updates, [reply.node_id for reply in aggregated], size)
         updates = [update for update, kept in zip(updates, keep, strict=True) if kept]
+        measured = [delta for delta, kept in zip(measured, keep, strict=True) if kept]
         left_out = len(aggregated) - len(updates)
         aggregated = [reply for reply, kept in zip(aggregated, keep, strict=True) if kept]
         if not aggregated:
@@ -243,8 +253,11 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         running, offset = {}, 0
         for name, array in self._model.items():
             running[name] = delta[offset : offset + array.size].reshape(array.shape)
+            if name in stats:  # what the clients' data says, averaged as it is: no vote, no clipping
+                mean = np.mean([m[name] for m in measured], axis=0, dtype=np.float64)
+                running[name] = mean.astype(array.dtype)
             offset += array.size
-        self.optimizer.step(self._model, running, averaged=statistics(self._dtypes))
+        self.optimizer.step(self._model, running, averaged=stats)
         del running, delta
         # A near-duplicate counts as its group's kept update did: it was heard, once. (Left uncounted, its
         # client would fold it back into its residual and the group would drift apart, round by round.)
@@ -272,14 +285,22 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         scores = np.array([self.reputation[node] for node in nodes])
         return [bool(k) for k in agreeing(cosines, scores, robust.min_agreement)]
 
-    def _sparse(self, reply: ScreenedReply, scale: float) -> SparseUpdate:
-        """The reply's nonzeros over the flattened model, times ``scale``: one dense decode at a time."""
+    def _sparse(
+        self, reply: ScreenedReply, scale: float, stats: frozenset[str]
+    ) -> tuple[SparseUpdate, dict[str, np.ndarray]]:
+        """The reply's nonzeros over the flattened model, times ``scale`` (one dense decode at a time), and,
+        apart, its change of the ``stats`` tensors (BatchNorm's statistics: they take no part in the order
+        statistics, the clipping or the duplicate and agreement tests, which they would dominate)."""
         assert self._model is not None
         size = sum(array.size for array in self._model.values())
         decoded = decode(reply.payload, max_elements=size)
         index_dtype = np.int32 if size < 2**31 else np.int64
-        indices, values, offset = [], [], 0
+        indices, values, offset, measured = [], [], 0, {}
         for name, array in self._model.items():  # screening checked the names and shapes
+            if name in stats:
+                measured[name] = decoded.pop(name)
+                offset += array.size
+                continue
             flat = decoded.pop(name).reshape(-1)
             nonzero = np.flatnonzero(flat)
             indices.append((nonzero + offset).astype(index_dtype))
@@ -288,7 +309,9 @@ class RobustStreamingFedAvg(StreamingFedAvg):
                 chosen *= np.float32(scale)
             values.append(chosen)
             offset += array.size
-        return np.concatenate(indices), np.concatenate(values)
+        if not indices:  # a model of statistics only
+            return (np.empty(0, index_dtype), np.empty(0, np.float32)), measured
+        return (np.concatenate(indices), np.concatenate(values)), measured
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """StreamingFedAvg's state (optimizer, counted map) plus the nodes' reputations

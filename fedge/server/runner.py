@@ -186,6 +186,15 @@ def run_rounds(
                 log.warning(
                     "round %d: the task's evaluate() returned accuracy %s", server_round, metrics.accuracy
                 )
+            if not math.isfinite(metrics.loss) and all(math.isfinite(r.loss) for r in history.rounds):
+                # finite weights can still compute NaN (a BatchNorm variance pushed below zero by a lossy
+                # codec): the model is broken from here on, whatever screening accepts
+                log.warning(
+                    "round %d: the global model's loss is %s: it computes NaN or infinity on the test set "
+                    "(were its statistics, e.g. BatchNorm's running_var, compressed?)",
+                    server_round,
+                    metrics.loss,
+                )
             for key, value in _evaluation_extras(result).items():  # fedge's own figures keep their names
                 metrics.extra.setdefault(key, value)
             if isinstance(strategy, _RoundOffset):

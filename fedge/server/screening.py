@@ -114,8 +114,14 @@ def screen_reply(
     weighted_by_key: str,
     shapes: Mapping[str, tuple[int, ...]],
     schema: Schema | None = None,
+    statistics: frozenset[str] = frozenset(),
 ) -> ScreenedReply:
     """Check one reply's structure, weight and payload; raise :class:`Rejected` naming what is wrong.
+
+    The update's norm leaves out ``statistics`` (BatchNorm's running statistics and counters,
+    :func:`fedge.server.optimizers.statistics`) and integer tensors: they move by what the client's data
+    says, not by what it learned, and a batch counter's +28 to +48 a round outweighed a small model's whole
+    update (screening then measured dataset sizes, and honest clients looked alike).
 
     A payload bound to ``schema`` (:func:`fedge.compression.bind`) is unbound first: the returned
     :attr:`ScreenedReply.payload` is always a self-describing one.
@@ -151,6 +157,8 @@ def screen_reply(
             raise Rejected(
                 "wrong_tensors", f"tensor {name!r} has shape {array.shape}, the model {shapes[name]}"
             )
+        if name in statistics or array.dtype.kind != "f":
+            continue
         flat = array.reshape(-1)
         squares += float(np.dot(flat, flat))  # float32 dot: an overflow shows up as inf below
     norm = math.sqrt(squares)

@@ -265,3 +265,34 @@ def test_under_sign_flip_attackers_the_robust_rule_beats_plain_averaging(caplog)
     robust = _simulate(8, strategy="sparse-median", **attacked)
     assert robust.rounds[-1].accuracy > averaged.rounds[-1].accuracy + 0.25
     assert all(r.extra["clipped"] >= 1 for r in robust.rounds)
+
+
+def test_batchnorm_statistics_are_averaged_apart_from_the_robust_rule():
+    """Statistics (a batch counter, running variances) move by what each client's data says: counted in the
+    norm, a counter's +28..+48 made honest clients look alike (duplicates) and hid a scaled attacker."""
+    model = {
+        "w": RNG.normal(size=(40, 25)).astype(np.float32),
+        "bn.running_var": np.ones(10, np.float32),
+        "bn.num_batches_tracked": np.array(100, np.int64),
+    }
+    codec = build_codec("topk:0.2+int8;min=0")  # the statistics go dense (default patterns)
+    strategy = RobustStreamingFedAvg(CompressionConfig(codec.spec), min_available_nodes=6)
+    messages = configured_train(strategy, model, LocalGrid(ClientApp(), 6))
+    direction = RNG.normal(size=(40, 25)).astype(np.float32)
+    deltas = [
+        {
+            "w": (0.05 * (direction + RNG.normal(size=direction.shape))).astype(np.float32),
+            "bn.running_var": RNG.uniform(-0.5, 0.5, size=10).astype(np.float32),
+            "bn.num_batches_tracked": np.array(28 + 4 * i, np.int64),
+        }
+        for i in range(6)
+    ]
+    deltas[5]["w"] = 10 * deltas[5]["w"]  # a scaled attacker, whose counter looks like everyone's
+    replies = [_reply(m, codec.encode(d)) for m, d in zip(messages, deltas, strict=True)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    report = strategy.round_metrics(1)
+    assert report["rejected_norm_outlier"] == 1 and report["duplicates"] == 0
+    got = record_to_arrays(arrays)[0]
+    expected_var = 1.0 + np.mean([d["bn.running_var"] for d in deltas[:5]], axis=0)
+    np.testing.assert_allclose(got["bn.running_var"], expected_var, atol=1e-6)  # the plain average
+    assert int(got["bn.num_batches_tracked"]) == 100 + 36  # 28, 32, 36, 40, 44 averaged

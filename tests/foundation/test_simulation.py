@@ -338,3 +338,17 @@ def test_a_nan_accuracy_is_warned_about_once(tmp_path, caplog):
     run_simulation(SimulationConfig(clients=2, app=app))
     warned = [r for r in caplog.records if "evaluate() returned accuracy nan" in r.getMessage()]
     assert len(warned) == 1 and "round 1" in warned[0].getMessage()
+
+
+def test_a_model_whose_loss_turns_nan_is_warned_about_once(tmp_path, caplog):
+    """Finite weights, NaN outputs: a negative BatchNorm variance (the sweep's compressed running_var)."""
+    (tmp_path / "nan_loss.py").write_text(
+        "import math\nfrom fedge.app.task import DigitsTask\n\n\n"
+        "class NanLoss(DigitsTask):\n"
+        "    def evaluate(self, model, data):\n"
+        "        return {**super().evaluate(model, data), 'loss': math.nan}\n"
+    )
+    app = AppConfig(rounds=2, local_epochs=1, task=f"{tmp_path / 'nan_loss.py'}:NanLoss")
+    run_simulation(SimulationConfig(clients=2, app=app))
+    warned = [r for r in caplog.records if "the global model's loss is nan" in r.getMessage()]
+    assert len(warned) == 1 and "round 1" in warned[0].getMessage()
