@@ -124,7 +124,9 @@ def _print_status(current: dict) -> None:
     typer.echo(f"round         {current['round']}/{current['rounds']}")
     typer.echo(f"last accuracy {'-' if accuracy is None else f'{100 * accuracy:.2f}%'}")
     typer.echo(f"online nodes  {len(current['online_nodes'])}: {' '.join(current['online_nodes'])}")
-    typer.echo(f"updated       {time.time() - current['updated_at']:.0f} s ago (pid {current['pid']})")
+    age = time.time() - current["updated_at"]
+    typer.echo(f"state         {_state_line(current, age)}")
+    typer.echo(f"updated       {age:.0f} s ago (pid {current['pid']})")
     for name, profile in current.get("profiles", {}).items():
         typer.echo(
             f"  {name:<22} {profile.get('cpus', '?')} CPUs, {profile.get('memory_total_mb', '?')} MB, "
@@ -137,6 +139,18 @@ def _print_status(current: dict) -> None:
         typer.echo(
             "dropped       " + ", ".join(f"{reason} {count}" for reason, count in sorted(dropped.items()))
         )
+
+
+def _state_line(current: dict, age: float) -> str:
+    """How the run stands: running (or silent too long: the coordinator may have died), or how it ended."""
+    state = current.get("state", "running")
+    if state == "running":
+        # the status is rewritten every two seconds while the coordinator lives
+        return "running" if age < 10 else f"running? (no update for {age:.0f} s: the coordinator may be gone)"
+    ended = current.get("ended_at")
+    when = f" {time.time() - ended:.0f} s ago" if isinstance(ended, int | float) else ""
+    error = f": {current['error']}" if current.get("error") else ""
+    return f"{state}{when}{error}"
 
 
 def _device_line(device: dict) -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from fedge.config import ConfigError
 from fedge.reporting.history import RoundMetrics, RunHistory
 from fedge.server.runner import ResumePoint
 
-__all__ = ["CHECKPOINT_FILE", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_FILE", "load_checkpoint", "save_checkpoint", "set_aside_checkpoint"]
 
 CHECKPOINT_FILE = "checkpoint.npz"
 
@@ -77,3 +79,17 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
         raise ConfigError(
             f"checkpoint {path} is damaged (truncated or not a checkpoint): {type(err).__name__}"
         ) from None
+
+
+def set_aside_checkpoint(state_dir: str | Path) -> str | None:
+    """Rename the checkpoint in ``state_dir``, if any, to one of its own (a fresh run would overwrite it at
+    the end of its first round); the new name, or None if there was none."""
+    path = Path(state_dir) / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    kept = path.with_name(f"checkpoint-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.npz")
+    try:
+        path.rename(kept)
+    except OSError as err:
+        raise ConfigError(f"cannot keep the earlier checkpoint {path}: {err.strerror or err}") from None
+    return kept.name

@@ -154,6 +154,9 @@ def run_rounds(
         resume_at = getattr(strategy, "resume_at", None)
         if callable(resume_at):  # a strategy running its own loop (FedBuff) numbers its versions on
             resume_at(done)
+        if done >= run.num_rounds:  # nothing left: its outcome was reported when it ended
+            log.warning("the checkpoint holds all %d rounds of this run: nothing to resume", run.num_rounds)
+            return history
     if type(strategy).start is Strategy.start:  # Flower's round loop: record each round's train metrics
         strategy = _RoundOffset(strategy, done)
     round_started = time.perf_counter()
@@ -206,8 +209,11 @@ def run_rounds(
             if on_round_end is not None:
                 on_round_end(server_round, arrays, history)
             stop = _stop_reason(run, metrics)
-            if run.exporter is not None:
-                final = server_round >= run.num_rounds or bool(stop)
+            final = server_round >= run.num_rounds or bool(stop)
+            # a round that accepted no update left the model as it was: no new version for the fleet (a run
+            # that never trains publishes none)
+            moved = _trained(metrics) or (final and any(map(_trained, history.rounds)))
+            if run.exporter is not None and moved:
                 run.exporter.after_round(server_round, arrays, history, final=final)
             if run.out_dir:  # people (and tools) can follow a long run in metrics.json
                 history.write(run.out_dir)
@@ -288,6 +294,11 @@ def _stop_reason(run: FederatedRun, metrics: RoundMetrics) -> str:
     return ""
 
 
+def _trained(metrics: RoundMetrics) -> bool:
+    """Whether the round accepted an update (so the global model moved)."""
+    return bool(metrics.extra.get("accepted", metrics.clients_replied))
+
+
 class _FailureWatch:
     """Counts rounds in which no update was accepted; says why, and stops a run that is not training."""
 
@@ -296,8 +307,7 @@ class _FailureWatch:
         self._reported = ""  # the last client failure warned about: the same one again is logged at INFO
 
     def check(self, metrics: RoundMetrics, first_error: str, failed: int = 0) -> None:
-        accepted = metrics.extra.get("accepted", metrics.clients_replied)
-        if accepted:
+        if _trained(metrics):
             self.in_a_row = 0
             if failed:  # the round trained, without some clients: say who failed and why
                 cause = _last_line(first_error)
@@ -329,7 +339,7 @@ class _FailureWatch:
             )
 
     def check_run(self, history: RunHistory) -> None:
-        if history.rounds and all(not r.extra.get("accepted", r.clients_replied) for r in history.rounds):
+        if history.rounds and not any(map(_trained, history.rounds)):
             cause = _last_line(self.first_error) or "no client replied in time"
             raise RunFailed(f"no client update was accepted in any round; first: {cause}")
 

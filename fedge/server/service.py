@@ -5,12 +5,14 @@ one from its config in :mod:`fedge.app.coordinator`). Files in ``state_dir``:
 
 ``checkpoint.npz``
     Global model, last completed round, run history and strategy state; replaced atomically after each round.
+    A start without ``resume`` first renames an earlier run's to ``checkpoint-<time>-<pid>.npz``.
 ``audit.jsonl``
     One line per reply: which node's update was accepted (or rejected, and why) for which round, and a
     commit line per round written after its checkpoint (:mod:`fedge.server.audit`).
 ``status.json``
     Round, online nodes, their device profiles, dropped replies, last accuracy and the model export's state
-    (latest version, failures, last error), refreshed every few seconds (what ``fedge status`` shows).
+    (latest version, failures, last error), refreshed every few seconds (what ``fedge status`` shows), and
+    ``state``: ``running``, then ``finished``, ``stopped`` or ``failed`` (with ``error``) and ``ended_at``.
 
 When the run has an exporter (:mod:`fedge.server.model_export`), every verified export is handed to
 ``on_model_exported`` (the transport's model publisher) after the round's checkpoint is written.
@@ -36,14 +38,14 @@ from flwr.app import ArrayRecord
 
 from fedge.atomic import write_json_atomic
 from fedge.compression import CodecConfigError, build_codec
-from fedge.config import ConfigError, make_state_dir, read_secret
+from fedge.config import ConfigError, error_line, make_state_dir, read_secret
 from fedge.devices.fleet import LinkProfile
 from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import set_task_identity
 from fedge.protocol.fleet import flower_node_id
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog
-from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.server.checkpoint import load_checkpoint, save_checkpoint, set_aside_checkpoint
 from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
@@ -206,7 +208,15 @@ def _run_service(
         else:
             run = dataclasses.replace(run, exporter=run.exporter.with_on_export(on_model_exported))
     make_state_dir(state_dir)
+    if not resume and (kept := set_aside_checkpoint(state_dir)) is not None:
+        log.warning(
+            "%s held an earlier run's checkpoint (--resume continues one): kept as %s", state_dir, kept
+        )
     resume_point = load_checkpoint(state_dir) if resume else None
+    if resume_point is not None and resume_point.completed_round >= run.num_rounds:
+        # ended already (its outcome was reported then): a supervisor restarting it must not loop
+        log.warning("the checkpoint in %s holds all %d rounds: nothing to resume", state_dir, run.num_rounds)
+        return resume_point.history
     if resume_point is not None:
         log.info("resuming after round %d", resume_point.completed_round)
     elif resume:
@@ -342,6 +352,7 @@ class _StatusWriter:
             self._export.update(_export_state(row))
         self._stop = threading.Event()
         self._write_failed = False
+        self._state: dict[str, Any] = {"state": "running"}
         self._thread = threading.Thread(target=self._loop, name="fedge-status", daemon=True)
 
     def on_round(self, metrics: RoundMetrics) -> None:
@@ -361,6 +372,7 @@ class _StatusWriter:
             "transport_drops": self._grid.endpoint.drop_counts(),
             **self._export,
             "inference_devices": self._devices() if self._devices else {},
+            **self._state,
             "updated_at": time.time(),
             "pid": os.getpid(),
         }
@@ -382,7 +394,16 @@ class _StatusWriter:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        # how the run ended, so a status read later does not show a finished run as one in progress
+        if exc_type is None:
+            self._state = {"state": "finished"}
+        elif issubclass(exc_type, KeyboardInterrupt):
+            self._state = {"state": "stopped"}
+        else:
+            error = error_line(exc) if exc is not None else exc_type.__name__
+            self._state = {"state": "failed", "error": error}
+        self._state["ended_at"] = time.time()
         self._write()

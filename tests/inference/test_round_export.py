@@ -165,6 +165,28 @@ def test_the_last_round_is_always_exported_and_old_versions_are_pruned(tmp_path)
     assert read_latest(tmp_path).version == "r0003"
 
 
+def test_a_round_that_accepted_no_update_publishes_no_version(tmp_path):
+    """Every client fails: the model never moves, so the fleet gets no (untrained) version of it."""
+    from flwr.clientapp import ClientApp
+
+    from fedge.server.runner import RunFailed
+
+    failing = ClientApp()
+
+    @failing.train()
+    def train(msg, context):
+        raise RuntimeError("no data on this device")
+
+    set_task_identity(run_id=1)
+    grid = LocalGrid(failing, CLIENTS, run_id=1, workers=2)
+    try:
+        with pytest.raises(RunFailed, match="no client update was accepted"):
+            run_rounds(grid, federated_run(_small(tmp_path, max_failed_rounds=0), num_partitions=CLIENTS))
+    finally:
+        grid.shutdown()
+    assert not (tmp_path / "models").exists() or not list((tmp_path / "models").glob("r*"))
+
+
 # ModelExporter on its own: a tiny model, no Flower round loop.
 
 

@@ -12,6 +12,7 @@ from fedge.app.config import AppConfig
 from fedge.app.coordinator import CoordinatorConfig, run_coordinator
 from fedge.inference import read_manifest, sha256_file
 from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
+from fedge.server.checkpoint import set_aside_checkpoint
 from fedge.server.model_export import ExportedModel, read_latest
 from fedge.server.service import ServiceConfig
 
@@ -45,6 +46,14 @@ def test_the_service_exports_every_round_and_survives_a_failing_publisher(mqtt, 
     assert status["export_version"] == "r0002"
     assert status["export_failures"] == 0 and status["export_publish_failures"] == 1
     assert status["last_export_error"] == "on_export: ConnectionError: broker went away"
+    assert status["state"] == "finished" and status["ended_at"] <= status["updated_at"]
+    # resuming a run that holds all its rounds: nothing to do, at once (no broker, no nodes waited for)
+    resumed = run_coordinator(CoordinatorConfig(service=service, app=app), resume=True)
+    assert [r.round for r in resumed.rounds] == [1, 2]
+    # a fresh start keeps the finished run's checkpoint under a name of its own
+    assert set_aside_checkpoint(state_dir) is not None
+    assert not (state_dir / "checkpoint.npz").exists() and len(list(state_dir.glob("checkpoint-*.npz"))) == 1
+    assert set_aside_checkpoint(state_dir) is None
 
 
 def test_the_service_publishes_each_export_and_an_inference_device_serves_the_last(mqtt, tmp_path):
