@@ -49,6 +49,13 @@ class RoundProgress:
         )
 
 
+def _clients_cell(metrics: RoundMetrics) -> str:
+    """Replies over clients sampled, and how many of the replies the round rejected (screening)."""
+    cell = f"{metrics.clients_replied}/{metrics.clients_sampled}"
+    rejected = int(metrics.extra.get("rejected", 0) or 0)
+    return f"{cell} ({rejected} rejected)" if rejected else cell
+
+
 def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
     """Per-round accuracy, loss, clients and traffic, with totals (and simulated seconds on a fleet)."""
     clocked = any("sim_time_s" in r.extra for r in history.rounds)
@@ -63,7 +70,7 @@ def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
             str(r.round),
             f"{100 * r.accuracy:.2f}%",
             f"{r.loss:.4f}",
-            f"{r.clients_replied}/{r.clients_sampled}",
+            _clients_cell(r),
             f"{r.bytes_down / 1e6:.2f}",
             f"{r.bytes_up / 1e6:.2f}",
             f"{r.wall_s:.2f}",

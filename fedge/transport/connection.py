@@ -9,6 +9,7 @@ broker's Maximum Packet Size and Receive Maximum from CONNACK, and refreshes the
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -25,6 +26,7 @@ from paho.mqtt.properties import Properties
 from fedge.transport.config import MqttConfig
 from fedge.transport.flapping import SESSION_TAKEN_OVER, FlapGuard
 from fedge.transport.mqtt_text import mqtt_text
+from fedge.transport.probe import AUTH_FAILURES, UNSUPPORTED_PROTOCOL, detect_protocol
 
 __all__ = ["MessageProperties", "MqttConnection", "Will"]
 
@@ -32,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 # MQTT's own ceiling on a packet (remaining length is at most 268,435,455 bytes).
 MQTT_MAX_PACKET = 268_435_455
-_UNSUPPORTED_PROTOCOL = (0x84, 1)  # MQTT 5 reason code, MQTT 3.1.1 CONNACK return code
-_AUTH_FAILURES = (0x86, 0x87, 4, 5)  # bad user name or password / not authorized (v5, v3)
 
 MessageHandler = Callable[[str, bytes], None]
 
@@ -195,7 +195,8 @@ class MqttConnection:
         ConnectionError
             If the broker refuses (e.g. bad credentials) or does not answer within ``connect_timeout_s``.
         """
-        if self.config.protocol == "auto" and self._detect_protocol() != self.protocol:
+        probe = functools.partial(self._make_client, "5", self.client_id[:100] + "-probe")
+        if self.config.protocol == "auto" and detect_protocol(self.config, probe) != self.protocol:
             self.protocol = "3.1.1"
             self._client = self._make_client(self.protocol, self.client_id)
         self._connect()
@@ -204,48 +205,6 @@ class MqttConnection:
             self._stop_client()
             reason = self._failure or f"no answer within {self.config.connect_timeout_s:g} s"
             raise ConnectionError(f"cannot connect to {self.config.broker_url}: {reason}")
-
-    def _detect_protocol(self) -> str:
-        """Ask the broker with a plain MQTT 5 CONNECT on a throw-away client id whether it speaks MQTT 5.
-
-        A plain CONNECT (no properties, no will) because some 3.1.1-only brokers (amqtt) refuse it cleanly but
-        hang on one with properties; a separate client id so the probe's clean start cannot end our session.
-        """
-        address = self.config.address
-        client = self._make_client("5", self.client_id[:100] + "-probe")
-        answer: list[int] = []
-        done = threading.Event()
-
-        def on_connect(_c: paho.Client, _u: object, _f: object, reason: object, _p: object) -> None:
-            answer.append(getattr(reason, "value", 0))
-            done.set()
-
-        client.on_connect, client.on_disconnect = on_connect, lambda *_: done.set()
-        client.on_pre_connect = None
-        deadline = time.monotonic() + self.config.connect_timeout_s
-        while True:  # connect synchronously to see the real error (refused, TLS) and retry until the deadline
-            try:
-                client.connect(address.host, address.port, self.config.keepalive_s, clean_start=True)
-                break
-            except OSError as err:
-                if isinstance(err, ssl.SSLError) or time.monotonic() > deadline:
-                    raise ConnectionError(f"cannot connect to {self.config.broker_url}: {err}") from None
-                time.sleep(0.2)
-        client.loop_start()
-        try:
-            done.wait(max(0.0, deadline - time.monotonic()))
-        finally:
-            client.disconnect()
-            client.loop_stop()
-        if answer == [0]:
-            return "5"
-        if (answer and answer[0] in _UNSUPPORTED_PROTOCOL) or (not answer and done.is_set()):
-            logger.info("broker %s does not speak MQTT 5; using MQTT 3.1.1", self.config.broker_url)
-            return "3.1.1"
-        reason = (
-            f"refused ({answer[0]:#x})" if answer else f"no answer in {self.config.connect_timeout_s:g} s"
-        )
-        raise ConnectionError(f"cannot connect to {self.config.broker_url}: {reason}")
 
     def publish(
         self,
@@ -352,8 +311,8 @@ class MqttConnection:
     ) -> None:
         code = getattr(reason, "value", reason)
         if code != 0:
-            self._failure = "protocol" if code in _UNSUPPORTED_PROTOCOL else str(reason)
-            if code in _UNSUPPORTED_PROTOCOL or code in _AUTH_FAILURES:
+            self._failure = "protocol" if code in UNSUPPORTED_PROTOCOL else str(reason)
+            if code in UNSUPPORTED_PROTOCOL or code in AUTH_FAILURES:
                 self._settled.set()
             logger.warning("broker %s refused the connection: %s", self.config.broker_url, reason)
             return

@@ -228,3 +228,20 @@ def test_status_of_a_file_that_is_not_a_coordinators_is_one_line(tmp_path):
     path.write_text(f'state_dir = "{tmp_path}/s"\n')
     result = runner.invoke(app, ["status", "--config", str(path)])
     assert result.exit_code == 2 and "is not a coordinator's status (KeyError: 'rounds')" in result.output
+
+
+def test_the_summary_table_shows_rejected_replies_beside_the_replies():
+    from rich.console import Console
+
+    from fedge.reporting.display import summary_table
+    from fedge.reporting.history import RoundMetrics, RunHistory
+
+    history = RunHistory(config={})
+    history.rounds = [
+        RoundMetrics(1, 0.5, 1.0, 5, 5, 0, 0, 0.1, extra={"accepted": 1, "rejected": 4}),
+        RoundMetrics(2, 0.6, 0.9, 5, 5, 0, 0, 0.1, extra={"accepted": 5, "rejected": 0}),
+    ]
+    console = Console(width=200, record=True)
+    console.print(summary_table(history))
+    text = console.export_text()
+    assert "5/5 (4 rejected)" in text and text.count("rejected") == 1
