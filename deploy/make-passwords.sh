@@ -134,4 +134,9 @@ fi
 if [[ -n "$broker_owner" ]]; then
     chown "$broker_owner" "$out_dir/mosquitto" "$out_dir/mosquitto/passwd"
 fi
+if [[ -n "$owner$broker_owner" ]]; then
+    # the other owners must pass through this directory to reach their own (each stays 700): on a host,
+    # Mosquitto opens $out_dir/mosquitto/passwd itself, after dropping root
+    chmod 711 "$out_dir"
+fi
 echo "wrote $out_dir/mosquitto/passwd, credentials and node keys for coordinator, ${nodes[*]}, instruction keys"

@@ -81,6 +81,8 @@ extendedKeyUsage=clientAuth"
 done
 
 if [[ -n "$broker_owner" ]]; then chown "$broker_owner" server.key; fi
+# certificates are public, keys stay 600: the broker and the services must be able to enter the directory
+chmod 755 .
 if [[ -n "$owner" && $# -gt 0 ]]; then
     for client in "$@"; do chown "$owner" "$client.key"; done
 fi
