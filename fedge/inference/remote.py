@@ -131,6 +131,8 @@ class InferenceClient:
         future = self.submit(node_id, inputs)
         try:
             return future.result(timeout)
+        except TimeoutError:  # concurrent.futures' says nothing; a caller's log line should
+            raise TimeoutError(f"{node_id} did not answer within {timeout:g} s") from None
         finally:
             with self._lock:
                 for key, pending in list(self._pending.items()):

@@ -411,5 +411,11 @@ def capture(
     """
     onnx_model = export_onnx(model, example_inputs, opset=opset)
     inputs = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
-    feeds = {name: t.detach().cpu().numpy() for name, t in zip(input_names(onnx_model), inputs, strict=True)}
+    names = input_names(onnx_model)
+    if len(names) != len(inputs):  # the exporter drops an input the forward never reads
+        raise ValueError(
+            f"the model takes {len(inputs)} inputs but its graph reads {len(names)} of them: a forward that "
+            "ignores an input cannot be partitioned (drop the input, or use it)"
+        )
+    feeds = {name: t.detach().cpu().numpy() for name, t in zip(names, inputs, strict=True)}
     return onnx_model, graph_from_onnx(onnx_model, feeds), feeds

@@ -144,3 +144,17 @@ def test_an_output_without_a_batch_dimension_runs_whole_and_refuses_micro_batche
         assert whole == pytest.approx(float(model(x)), abs=1e-6)
     with pytest.raises(ValueError, match="has no batch dimension first"):
         runner.run({"input_0": x.numpy()}, micro_batch=2)
+
+
+class IgnoresAnInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
+def test_a_forward_that_ignores_an_input_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="takes 2 inputs but its graph reads 1"):
+        capture(IgnoresAnInput(), (torch.randn(2, 4), torch.randn(2, 3)))
