@@ -33,7 +33,7 @@ def coordinator(
     from fedge.app.coordinator import CoordinatorConfig, run_coordinator
     from fedge.reporting.display import summary_table
     from fedge.server.runner import RunFailed
-    from fedge.server.service import read_status
+    from fedge.server.status import read_status
 
     with config_errors():
         settings = CoordinatorConfig.from_toml(config)
@@ -90,7 +90,7 @@ def status(
     """Show the coordinator's round, online nodes and last accuracy (or, with --audit, who counted when)."""
     from fedge.app.coordinator import CoordinatorConfig
     from fedge.server.audit import AUDIT_FILE, audit_events, counted_rounds
-    from fedge.server.service import read_status
+    from fedge.server.status import read_status
 
     with config_errors():
         state_dir = Path(CoordinatorConfig.from_toml(config).service.state_dir)

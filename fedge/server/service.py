@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import os
-import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,23 +32,23 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from fedge.atomic import write_json_atomic
 from fedge.compression import CodecConfigError, build_codec
-from fedge.config import ConfigError, error_line, make_state_dir, read_secret
+from fedge.config import ConfigError, make_state_dir, read_secret
 from fedge.devices.fleet import LinkProfile
 from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import set_task_identity
 from fedge.protocol.fleet import flower_node_id
-from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory
+from fedge.reporting.history import RoundListener, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint, set_aside_checkpoint
 from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
 from fedge.server.model_publish import ModelDistributor
-from fedge.server.runner import FederatedRun, ResumePoint, run_rounds
+from fedge.server.runner import FederatedRun, run_rounds
 from fedge.server.schedule import Schedule
 from fedge.server.schedule_grid import ScheduledGrid
+from fedge.server.status import STATUS_FILE, StatusWriter, read_status
 from fedge.transport.artifact_channel import ArtifactPublisher
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import MqttConnection
@@ -63,8 +59,6 @@ from fedge.transport.topics import Topics
 __all__ = ["STATUS_FILE", "ServiceConfig", "read_status", "run_service"]
 
 log = logging.getLogger(__name__)
-
-STATUS_FILE = "status.json"
 
 
 @dataclass(frozen=True)
@@ -231,15 +225,19 @@ def _run_service(
             audit=audit.write,
             instruction_key=config.instruction_key_file,
         ) as grid,
-        _StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point, devices) as status,
+        StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point, devices) as status,
     ):
         limit = _reply_limit(run.initial_arrays)
         grid.endpoint.set_message_limit(lambda node: limit)  # no reply needs more than a dense model
         run = dataclasses.replace(run, round_extras=_DropsPerRound(grid))
         log.info("waiting for %d nodes", run.min_nodes)
         if not grid.wait_for_nodes(run.min_nodes, config.wait_for_nodes_s, stall_timeout=config.node_stall_s):
-            online = len(grid.endpoint.online_nodes())
-            raise TimeoutError(f"{online} of the {run.min_nodes} nodes needed came online; gave up waiting")
+            online = sorted(grid.endpoint.online_nodes())
+            names = f" ({', '.join(online[:10])}{', ...' if len(online) > 10 else ''})" if online else ""
+            raise TimeoutError(
+                f"{len(online)} of the {run.min_nodes} nodes needed came online{names}; gave up waiting "
+                f"(are the others' broker and fleet {config.mqtt.fleet!r} those of this coordinator?)"
+            )
         if resume_point is not None and hasattr(strategy, "load_state_dict"):
             strategy.load_state_dict(resume_point.strategy_state)
         if resume_point is None:
@@ -307,103 +305,3 @@ class _DropsPerRound:
         totals = Counter(self._grid.endpoint.drop_totals())
         delta, self._seen = totals - self._seen, totals
         return {f"transport_dropped_{reason}": float(count) for reason, count in sorted(delta.items())}
-
-
-def read_status(state_dir: str | Path) -> dict[str, Any]:
-    """What the coordinator last wrote to ``status.json``."""
-    path = Path(state_dir) / STATUS_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"no coordinator status in {state_dir}: {err}") from None
-
-
-_EXPORT_STATUS: dict[str, Any] = {
-    "export_version": None,
-    "export_failures": 0,
-    "export_publish_failures": 0,
-    "last_export_error": None,
-}
-"""The model export's state in status.json before any round says otherwise."""
-
-
-def _export_state(metrics: RoundMetrics) -> dict[str, Any]:
-    """What a round's metrics say of the model export: latest version, failures so far, last error."""
-    return {key: metrics.extra[key] for key in _EXPORT_STATUS if key in metrics.extra}
-
-
-class _StatusWriter:
-    """Refreshes ``status.json`` every two seconds from a background thread."""
-
-    def __init__(
-        self,
-        path: Path,
-        grid: MqttGrid,
-        rounds: int,
-        resume: ResumePoint | None,
-        devices: Callable[[], dict[str, Any]] | None = None,
-    ) -> None:
-        self._path, self._grid, self._rounds, self._devices = path, grid, rounds, devices
-        last = resume.history.rounds[-1] if resume and resume.history.rounds else None
-        self._round = resume.completed_round if resume else 0
-        self._accuracy = last.accuracy if last else None
-        self._export: dict[str, Any] = dict(_EXPORT_STATUS)
-        for row in resume.history.rounds if resume else ():
-            self._export.update(_export_state(row))
-        self._stop = threading.Event()
-        self._write_failed = False
-        self._state: dict[str, Any] = {"state": "running"}
-        self._thread = threading.Thread(target=self._loop, name="fedge-status", daemon=True)
-
-    def on_round(self, metrics: RoundMetrics) -> None:
-        self._round, self._accuracy = metrics.round, metrics.accuracy
-        self._export.update(_export_state(metrics))
-        self._write()
-
-    def _write(self) -> None:
-        online = sorted(self._grid.endpoint.online_nodes())
-        status = {
-            "round": self._round,
-            "rounds": self._rounds,
-            "last_accuracy": self._accuracy,
-            "online_nodes": online,
-            "profiles": {name: p.to_json() for name, p in sorted(self._grid.profiles.items())},
-            "dropped_replies": dict(self._grid.dropped),
-            "transport_drops": self._grid.endpoint.drop_counts(),
-            **self._export,
-            "inference_devices": self._devices() if self._devices else {},
-            **self._state,
-            "updated_at": time.time(),
-            "pid": os.getpid(),
-        }
-        try:
-            write_json_atomic(self._path, status)
-        except OSError as err:  # a status file nobody can write must not stop the rounds: say so, once
-            if not self._write_failed:
-                log.warning("cannot write %s: %s (the run goes on without it)", self._path, err)
-            self._write_failed = True
-        else:
-            self._write_failed = False
-
-    def _loop(self) -> None:
-        while not self._stop.wait(2.0):
-            self._write()
-
-    def __enter__(self) -> _StatusWriter:
-        self._write()
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        # how the run ended, so a status read later does not show a finished run as one in progress
-        if exc_type is None:
-            self._state = {"state": "finished"}
-        elif issubclass(exc_type, KeyboardInterrupt):
-            self._state = {"state": "stopped"}
-        else:
-            error = error_line(exc) if exc is not None else exc_type.__name__
-            self._state = {"state": "failed", "error": error}
-        self._state["ended_at"] = time.time()
-        self._write()

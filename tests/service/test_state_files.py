@@ -53,7 +53,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_training():
 def test_a_status_file_that_cannot_be_written_warns_once_and_never_stops_the_run(tmp_path, caplog):
     from types import SimpleNamespace
 
-    from fedge.server.service import _StatusWriter
+    from fedge.server.status import StatusWriter as _StatusWriter
 
     endpoint = SimpleNamespace(online_nodes=lambda: {"n1"}, drop_counts=dict)
     grid = SimpleNamespace(endpoint=endpoint, profiles={}, dropped={})  # what the writer reads of the Grid

@@ -241,7 +241,7 @@ def test_wrong_password_fails_fast_and_acl_isolates_nodes(
         return replace(config, broker_url=broker.url, username=user, password=password or f"pw-{user}")
 
     started = time.monotonic()
-    with pytest.raises(ConnectionError, match="cannot connect.*not authorized .*user name and password"):
+    with pytest.raises(ConnectionError, match=r"cannot connect.*not authorized .*user name and password"):
         NodeEndpoint(as_user("n1", "wrong"), "n1").start()
     assert time.monotonic() - started < 5
 
