@@ -35,6 +35,7 @@ from flwr.serverapp.strategy import Strategy
 from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.fleet import node_label
 from fedge.server.counted import counted_from_state, counted_state
+from fedge.server.optimizers import statistics
 from fedge.server.screening import (
     REJECTION_REASONS,
     DenseReply,
@@ -119,6 +120,7 @@ class ScreenedStrategy(Strategy):
     ) -> list[tuple[Message, DenseReply]]:
         """The replies that pass :func:`screen_dense_reply`; the others are rejected (logged, counted)."""
         passed = []
+        stats = statistics({name: str(array.dtype) for name, array in self._model.items()})
         for reply in replies:
             try:
                 checked = screen_dense_reply(
@@ -127,6 +129,7 @@ class ScreenedStrategy(Strategy):
                     weighted_by_key=self.weighted_by_key,
                     measure_norm=math.isfinite(self.screen.max_norm_ratio),  # only the norm test needs it
                     check_finite=finite,
+                    statistics=stats,
                 )
             except Rejected as rejection:
                 self._reject(server_round, reply, rejection, rejected)

@@ -184,13 +184,15 @@ def screen_dense_reply(
     weighted_by_key: str,
     measure_norm: bool = True,
     check_finite: bool = True,
+    statistics: frozenset[str] = frozenset(),
 ) -> DenseReply:
     """Check one uncompressed reply against the round's global ``model``; raise :class:`Rejected` naming
     what is wrong: not exactly one ArrayRecord (``no_update``), no usable weight, unreadable arrays,
     other tensor names or shapes than the model's or values that are not real numbers (``wrong_tensors``),
     NaN or infinity (``non_finite``). ``measure_norm``: also measure the update's norm (in float64, a pass
     over the model; without it :attr:`DenseReply.norm` is 0). ``check_finite=False`` leaves the values
-    unchecked (a caller that checks the aggregate instead, and each reply only when that is not finite)."""
+    unchecked (a caller that checks the aggregate instead, and each reply only when that is not finite).
+    The norm leaves out ``statistics``, as :func:`screen_reply`'s does."""
     records = [(key, record) for key, record in content.items() if isinstance(record, ArrayRecord)]
     if len(records) != 1:
         raise Rejected("no_update", f"expected one ArrayRecord of model weights, found {len(records)}")
@@ -215,7 +217,7 @@ def screen_dense_reply(
             )
         if check_finite and values.dtype.kind == "f" and not np.isfinite(values).all():
             raise Rejected("non_finite", f"tensor {name!r} holds NaN or infinity")
-        if measure_norm and values.dtype.kind == "f":
+        if measure_norm and values.dtype.kind == "f" and name not in statistics:
             step = values.astype(np.float64).reshape(-1) - reference.astype(np.float64).reshape(-1)
             squares += float(np.dot(step, step))
     norm = math.sqrt(squares)
