@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -28,8 +29,20 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
-    """:func:`write_bytes_atomic` of indented JSON."""
-    write_bytes_atomic(path, json.dumps(payload, indent=2).encode())
+    """:func:`write_bytes_atomic` of indented, strict JSON: NaN and infinity (a diverged loss, a task's
+    metric) are written as ``null``, which every JSON parser reads (Python's ``NaN`` is not JSON)."""
+    write_bytes_atomic(path, json.dumps(_finite(payload), indent=2, allow_nan=False).encode())
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (in dicts, lists and tuples)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def fsync_dir(directory: Path) -> None:

@@ -13,7 +13,6 @@ adds its outcome to the round's metrics, ``metrics.json`` is rewritten, and only
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -30,6 +29,7 @@ from flwr.serverapp.strategy import Strategy
 from fedge.config import ConfigError
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
 from fedge.server.metered_grid import MeteredGrid
+from fedge.server.round_figures import evaluation_figures, train_figures
 
 if TYPE_CHECKING:
     from fedge.server.model_export import ModelExporter
@@ -198,10 +198,10 @@ def run_rounds(
                     server_round,
                     metrics.loss,
                 )
-            for key, value in _evaluation_extras(result).items():  # fedge's own figures keep their names
+            for key, value in evaluation_figures(result).items():  # fedge's own figures keep their names
                 metrics.extra.setdefault(key, value)
             if isinstance(strategy, _RoundOffset):
-                for key, value in _train_extras(strategy.train_metrics.pop(server_round, None)).items():
+                for key, value in train_figures(strategy.train_metrics.pop(server_round, None)).items():
                     metrics.extra.setdefault(key, value)
             if run.round_extras is not None:
                 metrics.extra.update(run.round_extras())
@@ -255,29 +255,6 @@ def _check_same_model(saved: ArrayRecord, fresh: ArrayRecord) -> None:
             f"the checkpoint holds another model than this run's (tensors differ: {', '.join(differ)}): "
             "resume with the task it was made with, or start afresh without --resume"
         )
-
-
-def _train_extras(metrics: MetricRecord | None) -> dict[str, float]:
-    """The clients' aggregated train metrics (a task's ``train()`` returns), each as ``train_<name>``
-    (``train_loss`` stays ``train_loss``); the weight and fedge's own ``fedge.*`` figures are left out."""
-    extras: dict[str, float] = {}
-    for key, value in (metrics or {}).items():
-        if key == "num-examples" or key.startswith("fedge.") or isinstance(value, bool | list):
-            continue
-        if isinstance(value, int | float):
-            extras[key if key.startswith("train") else f"train_{key}"] = float(value)
-    return extras
-
-
-def _evaluation_extras(result: Mapping[str, Any]) -> dict[str, float]:
-    """The central evaluation's figures beyond accuracy and loss (e.g. ``backdoor_success``); a name a
-    round's own fields use (``round``, ``bytes_up``, ...) is not the task's to set."""
-    skip = {"accuracy", "loss", "num-examples", *(f.name for f in dataclasses.fields(RoundMetrics))}
-    return {
-        k: float(v)
-        for k, v in result.items()
-        if k not in skip and isinstance(v, int | float) and not isinstance(v, bool)
-    }
 
 
 class _StopEarly(Exception):

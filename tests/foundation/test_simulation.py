@@ -306,25 +306,31 @@ def test_a_run_ends_when_it_reaches_its_target_accuracy():
 
 def test_a_tasks_other_evaluation_figures_are_recorded_with_each_round():
     """Numbers beyond accuracy and loss go into each round's metrics (test_backdoor runs it end to end)."""
+    import numpy as np
+    import torch
+
     from fedge.reporting.history import RoundMetrics
-    from fedge.server.runner import _evaluation_extras
+    from fedge.server.round_figures import evaluation_figures
 
     result = {"accuracy": 0.9, "loss": 0.3, "num-examples": 10.0, "f1": 0.8, "flag": True, "note": "x"}
-    assert _evaluation_extras(result) == {"f1": 0.8}
+    assert evaluation_figures(result) == {"f1": 0.8}
     # a round's own fields are not the task's to set, neither through evaluate() nor in metrics.json
-    assert _evaluation_extras({**result, "round": 99, "bytes_up": -1, "clients_replied": 1234}) == {"f1": 0.8}
+    assert evaluation_figures({**result, "round": 99, "bytes_up": -1, "clients_replied": 1234}) == {"f1": 0.8}
+    # numbers of any kind: numpy scalars, 0-d tensors and arrays (a 1-d tensor is not one number)
+    typed = {"a": np.float32(0.25), "b": torch.tensor(0.5), "c": np.array(2), "d": torch.ones(3)}
+    assert evaluation_figures(typed) == {"a": 0.25, "b": 0.5, "c": 2.0}
     row = RoundMetrics(3, 0.9, 0.3, 4, 4, 10, 20, 1.0, extra={"round": 99.0, "f1": 0.8}).to_json()
     assert row["round"] == 3 and row["f1"] == 0.8
 
 
 def test_the_clients_train_metrics_are_recorded_with_each_round():
-    from fedge.server.runner import _train_extras
+    from fedge.server.round_figures import train_figures
 
     rounds = run_simulation(SimulationConfig(clients=3, app=AppConfig(rounds=2, local_epochs=1))).rounds
     assert all(r.extra["train_loss"] > 0 for r in rounds)
     assert rounds[1].extra["train_loss"] < rounds[0].extra["train_loss"]  # training lowers it
     record = MetricRecord({"num-examples": 9.0, "f1": 0.5, "train_acc": 0.7, "fedge.version": 3.0})
-    assert _train_extras(record) == {"train_f1": 0.5, "train_acc": 0.7}
+    assert train_figures(record) == {"train_f1": 0.5, "train_acc": 0.7}
 
 
 def test_a_nan_accuracy_is_warned_about_once(tmp_path, caplog):
@@ -352,3 +358,18 @@ def test_a_model_whose_loss_turns_nan_is_warned_about_once(tmp_path, caplog):
     run_simulation(SimulationConfig(clients=2, app=app))
     warned = [r for r in caplog.records if "the global model's loss is nan" in r.getMessage()]
     assert len(warned) == 1 and "round 1" in warned[0].getMessage()
+
+
+def test_metrics_json_is_strict_json_when_a_figure_is_nan(tmp_path):
+    """NaN is not JSON: jq, JavaScript and strict parsers refuse Python's NaN; it is written as null."""
+    import math
+
+    from fedge.atomic import write_json_atomic
+
+    write_json_atomic(tmp_path / "m.json", {"loss": math.nan, "rounds": [{"x": math.inf, "y": 1.5}], "n": 2})
+    text = (tmp_path / "m.json").read_text()
+
+    def refuse(name: str) -> None:
+        raise ValueError(name)
+
+    assert json.loads(text, parse_constant=refuse) == {"loss": None, "rounds": [{"x": None, "y": 1.5}], "n": 2}

@@ -1,0 +1,65 @@
+"""A round's figures beyond accuracy and loss: what the task's ``train()`` and ``evaluate()`` returned.
+
+Numbers of any kind become floats in ``metrics.json``: Python and numpy numbers, 0-d tensors and arrays (a
+task's ``(pred == y).float().mean()``). Anything else (a list, a string, a 1-d tensor) is left out, with a
+warning once per name, rather than silently. A name a round's own fields use (``round``, ``bytes_up``)
+is not the task's to set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.app import MetricRecord
+
+from fedge.reporting.history import RoundMetrics
+
+__all__ = ["evaluation_figures", "train_figures"]
+
+log = logging.getLogger("fedge.server.runner")
+
+
+def train_figures(metrics: MetricRecord | None) -> dict[str, float]:
+    """The clients' aggregated train metrics (a task's ``train()`` returns), each as ``train_<name>``
+    (``train_loss`` stays ``train_loss``); the weight and fedge's own ``fedge.*`` figures are left out."""
+    extras: dict[str, float] = {}
+    for key, value in (metrics or {}).items():
+        if key == "num-examples" or key.startswith("fedge.") or isinstance(value, bool | list):
+            continue
+        if isinstance(value, int | float):
+            extras[key if key.startswith("train") else f"train_{key}"] = float(value)
+    return extras
+
+
+_NOT_NUMBERS: set[str] = set()  # the task's figures already warned about as not numbers
+
+
+def _number(key: str, value: Any) -> float | None:
+    """``value`` as a float: a Python or numpy number, or a 0-d tensor or array; otherwise None (and, once
+    per name, a warning that it is left out of metrics.json)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        item = value.item()
+        if isinstance(item, numbers.Real) and not isinstance(item, bool):
+            return float(item)
+    if key not in _NOT_NUMBERS:
+        _NOT_NUMBERS.add(key)
+        log.warning(
+            "the task's evaluate() returned %r = %.60r: not a number, left out of metrics.json", key, value
+        )
+    return None
+
+
+def evaluation_figures(result: Mapping[str, Any]) -> dict[str, float]:
+    """The central evaluation's figures beyond accuracy and loss (e.g. ``backdoor_success``); a name a
+    round's own fields use (``round``, ``bytes_up``, ...) is not the task's to set."""
+    skip = {"accuracy", "loss", "num-examples", *(f.name for f in dataclasses.fields(RoundMetrics))}
+    numbers_ = {k: _number(k, v) for k, v in result.items() if k not in skip}
+    return {k: v for k, v in numbers_.items() if v is not None}
