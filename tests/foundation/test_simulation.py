@@ -372,4 +372,5 @@ def test_metrics_json_is_strict_json_when_a_figure_is_nan(tmp_path):
     def refuse(name: str) -> None:
         raise ValueError(name)
 
-    assert json.loads(text, parse_constant=refuse) == {"loss": None, "rounds": [{"x": None, "y": 1.5}], "n": 2}
+    expected = {"loss": None, "rounds": [{"x": None, "y": 1.5}], "n": 2}
+    assert json.loads(text, parse_constant=refuse) == expected
