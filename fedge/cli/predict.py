@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -22,7 +23,9 @@ def predict(
     input_file: Path = typer.Option(
         ..., "--input", help="Inputs: .npy (batch first), .csv (one row per line) or .npz (by input name)."
     ),
-    out: Path | None = typer.Option(None, "--out", help="Also write predictions here (.csv or .npy)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Also write predictions here (.csv or .npy; .npz for a model of several outputs)."
+    ),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Rows per inference call."),
     threads: int = typer.Option(
         0, "--threads", min=0, max=256, help="Intra-op threads (0: the CPUs available)."
@@ -53,38 +56,49 @@ def predict(
 
     if not model.is_file():
         raise fail(f"model file {model} {'is a directory' if model.is_dir() else 'does not exist'}")
-    if out is not None and (out.suffix not in (".csv", ".npy") or out.is_dir()):
-        raise fail(f"--out {out} must be a .csv or .npy file")
+    if model.suffix != ".onnx":  # e.g. models/latest.json, which names the file to give
+        raise fail(f"--model {model} must be an .onnx file (models/latest.json names the latest one)")
+    if out is not None and (out.suffix not in (".csv", ".npy", ".npz") or out.is_dir()):
+        raise fail(f"--out {out} must be a .csv, .npy or .npz file")
     server = ModelServer(SessionConfig(intra_op_threads=threads, memory_arena=not no_arena))
     loaded = server.load(model)
     if not loaded.ok:
         raise fail(f"cannot serve {model}: {loaded.message}")
+    session = server.current.session
+    inputs, output_names = session.get_inputs(), [o.name for o in session.get_outputs()]
+    if len(inputs) > 1 and input_file.suffix != ".npz":
+        names = ", ".join(i.name for i in inputs)
+        raise fail(f"the model takes {len(inputs)} inputs ({names}): give them by name in an .npz file")
     try:
         if input_file.suffix == ".npz":  # a model of several inputs: arrays by input name
             rows = read_named_inputs(input_file)
-            count = len(next(iter(rows.values())))
         else:
-            rows = fit_to_shape(read_inputs(input_file), server.current.session.get_inputs()[0].shape)
-            count = len(rows)
+            rows = {inputs[0].name: fit_to_shape(read_inputs(input_file), inputs[0].shape)}
+        count = len(next(iter(rows.values())))
     except InputError as err:
         raise fail(str(err)) from None
     server.reset_stats()  # warm-up runs are not requests
-    batches = []
+    batches: dict[str, list[np.ndarray]] = {name: [] for name in output_names}
     try:
         for i in range(0, count, batch_size):
-            if isinstance(rows, dict):  # every output by name; the first is the prediction
-                batches.append(next(iter(server.run_named(feed_rows(rows, i, i + batch_size))[0].values())))
-            else:
-                batches.append(server.predict(rows[i : i + batch_size]))
+            for name, value in server.run_named(feed_rows(rows, i, i + batch_size))[0].items():
+                batches[name].append(value)
     except Exception as err:  # ORT's errors name the bad input (shape, dtype)
         raise fail(f"inference failed: {type(err).__name__}: {err}") from None
-    outputs = np.concatenate(batches) if batches else np.empty((0, 0), np.float32)
+    empty = np.empty((0, 0), np.float32)
+    named = {name: np.concatenate(parts) if parts else empty for name, parts in batches.items()}
+    if len(named) > 1:  # every output by name, as they are
+        _report_named(named, out, as_json, server.stats())
+        return
+    outputs = named[output_names[0]]
     broken = int((~np.isfinite(outputs.reshape(len(outputs), -1))).any(axis=1).sum()) if outputs.size else 0
     if broken:  # NaN in, NaN out: argmax would call every such row class 0
         typer.echo(f"warning: {broken} of {len(outputs)} rows have NaN or infinite outputs", err=True)
     classify = not raw and is_class_scores(outputs)
     predictions = outputs.argmax(axis=1) if classify else outputs
-    if out is not None:
+    if out is not None and out.suffix == ".npz":
+        np.savez(out, **named)
+    elif out is not None:
         if classify:
             write_predictions(out, predictions, outputs.max(axis=1))
         else:
@@ -106,6 +120,40 @@ def predict(
         typer.echo(f"{i}\t{row if classify else np.array2string(np.asarray(row), precision=6)}")
     typer.echo(
         f"model {stats.version}: {len(outputs)} rows in {stats.count} calls, latency per call "
+        f"p50 {stats.p50_ms:.3f} ms, p95 {stats.p95_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms",
+        err=True,
+    )
+
+
+def _report_named(named: dict, out: Path | None, as_json: bool, stats: Any) -> None:
+    """A model of several outputs: each by name (to ``out`` as an .npz), with the version and latency."""
+    import numpy as np
+
+    if out is not None:
+        if out.suffix != ".npz":
+            raise fail(f"the model has {len(named)} outputs ({', '.join(named)}): write them to an .npz")
+        np.savez(out, **named)
+    rows = len(next(iter(named.values())))
+    if as_json:
+        shapes = {name: list(value.shape) for name, value in named.items()}
+        listed = {name: value.tolist() for name, value in named.items()}
+        latency = {"p50_ms": stats.p50_ms, "p95_ms": stats.p95_ms, "p99_ms": stats.p99_ms}
+        typer.echo(
+            json.dumps(
+                {
+                    "version": stats.version,
+                    "rows": rows,
+                    **latency,
+                    "outputs": listed,
+                    "output_shapes": shapes,
+                }
+            )
+        )
+        return
+    for name, value in named.items():
+        typer.echo(f"{name}: {np.array2string(value, precision=6, threshold=64)}")
+    typer.echo(
+        f"model {stats.version}: {rows} rows, {len(named)} outputs, latency per call "
         f"p50 {stats.p50_ms:.3f} ms, p95 {stats.p95_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms",
         err=True,
     )

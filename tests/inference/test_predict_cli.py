@@ -64,12 +64,65 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
         (["--model", str(tmp_path), "--input", str(wrong)], "is a directory"),
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path)], "is a directory"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", str(tmp_path)], "--out"),
-        (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", "p.txt"], ".csv or .npy"),
+        (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", "p.txt"], ".npy or .npz"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--threads", "100000"], "--threads"),
     ]
     for args, message in cases:
         result = runner.invoke(app, ["predict", *args])
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_a_model_of_two_outputs_reports_both_and_of_two_inputs_asks_for_an_npz(tmp_path):
+    import torch
+
+    from fedge.server.export import export_onnx
+
+    class TwoOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(6, 3), torch.nn.Linear(6, 1)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    class TwoIn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(6, 2)
+
+        def forward(self, x, y):
+            return self.a(x) + y
+
+    torch.manual_seed(0)
+    rows = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", rows)
+    model = TwoOut().eval()
+    export_onnx(model, rows[:2], tmp_path / "two.onnx")
+    with torch.no_grad():
+        first, second = (t.numpy() for t in model(torch.from_numpy(rows)))
+    args = ["predict", "--model", str(tmp_path / "two.onnx"), "--input", str(tmp_path / "x.npy")]
+    result = runner.invoke(app, [*args, "--json", "--out", str(tmp_path / "y.npz")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [report["output_shapes"][n] for n in sorted(report["outputs"])] == [[5, 3], [5, 1]]
+    got = [np.asarray(report["outputs"][n]) for n in sorted(report["outputs"])]
+    np.testing.assert_allclose(got[0], first, atol=1e-5)
+    np.testing.assert_allclose(got[1], second, atol=1e-5)
+    with np.load(tmp_path / "y.npz") as saved:
+        assert sorted(saved.files) == sorted(report["outputs"])
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "y.csv")])
+    assert result.exit_code == 2 and "2 outputs" in result.output and ".npz" in result.output
+
+    export_onnx(TwoIn().eval(), (rows[:2], rows[:2, :2]), tmp_path / "in2.onnx")
+    result = runner.invoke(
+        app, ["predict", "--model", str(tmp_path / "in2.onnx"), "--input", str(tmp_path / "x.npy")]
+    )
+    assert result.exit_code == 2 and "takes 2 inputs" in result.output and ".npz" in result.output
+    latest = tmp_path / "latest.json"
+    latest.write_text("{}")
+    result = runner.invoke(app, ["predict", "--model", str(latest), "--input", str(tmp_path / "x.npy")])
+    assert result.exit_code == 2 and "must be an .onnx file" in result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_a_regressor_gets_its_values_not_class_zero(tmp_path):
