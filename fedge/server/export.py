@@ -130,6 +130,15 @@ def export_onnx(
     """
     config = config or ExportConfig()
     path = Path(path)
+    wide = sorted(
+        {str(t.dtype) for t in model.state_dict().values() if t.dtype in (torch.float64, torch.bfloat16)}
+    )
+    if wide:  # the exported graph takes float32 inputs: a float64 layer meets them in a dtype error
+        raise ExportError(
+            "export",
+            f"the model's weights are {', '.join(wide)}: fedge exports float32 models (return "
+            "model.float() from the task's model(), or cast it before training ends)",
+        )
     keyword = is_keyword(example_input)
     example = _named(example_input, config)
     if keyword:  # the TorchScript exporter passes keyword inputs positionally, in the dict's order

@@ -137,3 +137,9 @@ def test_variants_have_manifests_and_int8_is_smaller_and_accurate(variants):
     assert 100 * (fp32.accuracy - static.accuracy) <= 1.0
     ops = {node.op_type for node in onnx.load(str(variants["int8-static"][0])).graph.node}
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops  # QDQ format
+
+
+def test_a_float64_model_is_refused_saying_why(tmp_path):
+    model = torch.nn.Linear(4, 2).double()
+    with pytest.raises(ExportError, match=r"weights are torch.float64: fedge exports float32 models"):
+        export_onnx(model, np.zeros((2, 4), np.float32), tmp_path / "m.onnx")
