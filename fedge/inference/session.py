@@ -93,7 +93,9 @@ class SessionConfig:
         spin = "1" if self.allow_spinning else "0"
         opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
         opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
-        opts.log_severity_level = 3  # warnings about unused initializers are noise on a device
+        # Warnings (unused initializers) are noise on a device, and a failed run's error comes back as the
+        # exception the caller reports in one line: ORT's own coloured log line of it would be a second one.
+        opts.log_severity_level = 4
         return opts
 
 
