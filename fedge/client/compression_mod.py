@@ -72,7 +72,9 @@ __all__ = [
     "PENDING_KEY",
     "REFERENCE_INFO_KEY",
     "REFERENCE_KEY",
+    "RUN_KEY",
     "CompressionMod",
+    "follow_run",
     "settle_pending",
 ]
 
@@ -92,6 +94,8 @@ FEEDBACK_COUNTS_KEY = "fedge.feedback-counts"
 bench: ``delivered`` (payloads left pending), ``counted``, ``folded`` (back into the residual),
 ``discarded`` (refused by the coordinator's screening) and ``lost`` (dropped unsettled: damaged, or the
 node's state was older than its replies). Every delivered payload is one of these, or still pending."""
+RUN_KEY = "fedge.run"
+"""``Context.state`` ConfigRecord: ``run``, the coordinator's run the error-feedback state belongs to."""
 
 
 class CompressionMod:
@@ -118,6 +122,7 @@ class CompressionMod:
             return call_next(msg, context)
         try:
             instruction = Instruction.from_record(msg.content[INSTRUCTION_KEY])
+            follow_run(context, instruction.run)
             # Before anything else can fail: the verdict on the last reply is known now, and a node that
             # cannot train this round must not keep its payload waiting for a verdict already given.
             settle_pending(
@@ -156,6 +161,7 @@ class CompressionMod:
         message would), hand the app a plain message. Nothing is settled or encoded: the app replies."""
         try:
             instruction = Instruction.from_record(msg.content[INSTRUCTION_KEY])
+            follow_run(context, instruction.run)
             received, dtypes = self._received_model(msg, context, instruction)
         except (ProtocolError, CodecError) as err:
             log.warning("node %s: cannot use the evaluate instruction: %s", context.node_id, err)
@@ -220,6 +226,32 @@ class CompressionMod:
         payload = feedback.encode(update, state, seed=seed, dtypes=known)
         context.state[EF_STATE_KEY] = arrays_to_record(state, {})
         return payload
+
+
+def follow_run(context: Context, run: int | None) -> None:
+    """Drop this node's error-feedback state if it belongs to another run than ``run`` (an instruction's).
+
+    A coordinator started afresh (a new model) draws a new run; its first instruction would otherwise find
+    the last run's residual and its pending update, and, told that update did not count (the new run counted
+    nothing), fold the old run's training into the new model. None (a coordinator that does not say):
+    nothing is dropped, as before.
+    """
+    if run is None:
+        return
+    held = context.state.get(RUN_KEY)
+    if isinstance(held, ConfigRecord) and held.get("run") == run:
+        return
+    if held is not None:
+        dropped = [
+            key
+            for key in (PENDING_KEY, EF_STATE_KEY, REFERENCE_KEY, REFERENCE_INFO_KEY)
+            if key in context.state
+        ]
+        for key in dropped:
+            del context.state[key]
+        if dropped:
+            log.info("node %s: a new run: the last run's error-feedback state is dropped", context.node_id)
+    context.state[RUN_KEY] = ConfigRecord({"run": run})
 
 
 def settle_pending(

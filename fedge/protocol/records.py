@@ -113,6 +113,10 @@ class Instruction:
         Version of this node's last update the coordinator's screening refused as bad; None if none.
     schema : int or None (default: None)
         Digest of the payload schema the coordinator expects; None: send plain payloads.
+    run : int or None (default: None)
+        The coordinator's run (a random number a fresh run draws and a resumed one keeps): a node whose
+        error-feedback state (residual, pending update, reference model) belongs to another run drops it
+        before this instruction, so one run's updates never leak into the next. None: not sent.
     """
 
     codec: str
@@ -127,6 +131,7 @@ class Instruction:
     counted: int | None = None
     discarded: int | None = None
     schema: int | None = None
+    run: int | None = None
 
     @property
     def full(self) -> bool:
@@ -156,6 +161,8 @@ class Instruction:
             record["discarded"] = self.discarded
         if self.schema is not None:
             record["schema"] = self.schema
+        if self.run is not None:
+            record["run"] = self.run
         return record
 
     def dtype_map(self) -> dict[str, str]:
@@ -202,6 +209,8 @@ class Instruction:
             fields["discarded"] = _field(record, "discarded", int)
             if fields["discarded"] < 0:
                 raise ProtocolError(f"instruction discarded {fields['discarded']} is not a version")
+        if "run" in record:
+            fields["run"] = _field(record, "run", int)
         if "schema" in record:
             fields["schema"] = _field(record, "schema", int)
             if not 0 <= fields["schema"] < 1 << 32:

@@ -49,7 +49,7 @@ from fedge.compression import CodecError, decode_add
 from fedge.protocol.fleet import node_label
 from fedge.protocol.records import arrays_to_record, record_to_arrays
 from fedge.server.channel import CompressedChannel, CompressionConfig
-from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
+from fedge.server.counted import CHANNEL_KEYS
 from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.runner import RunFailed
@@ -221,7 +221,7 @@ class FedBuffStrategy(Strategy):
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore :meth:`state_dict` before a resumed :meth:`start`: the server optimizer's moments go on,
         and clients whose updates the checkpointed model lacks are told so."""
-        counted = (COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY)
+        counted = CHANNEL_KEYS
         if self.channel is not None:
             self.channel.load_state_dict({k: v for k, v in state.items() if k in counted})
         self.optimizer.load_state_dict({k: v for k, v in state.items() if k not in counted})

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ from fedge.server.budget import UploadBudget
 from fedge.server.counted import (
     COUNTED_NODES_KEY,
     COUNTED_VERSIONS_KEY,
+    RUN_KEY,
     counted_from_state,
     counted_state,
 )
@@ -136,6 +138,8 @@ class CompressedChannel:
         self.reports: dict[int, RoundReport] = {}
         self.counted: dict[int, int] = {}  # node -> version of its last update the strategy aggregated
         self.discarded: dict[int, int] = {}  # node -> version of its last update screening refused as bad
+        # this run's identity, in every instruction (and the checkpoint): nodes drop another run's state
+        self.run = secrets.randbits(62)
         self._sent: dict[int, tuple[int, Download | None]] = {}  # node -> (version, download) this round
         self._codec = build_codec(config.codec)
         # The round's payload schema: replies bound to it leave their header out.
@@ -260,6 +264,7 @@ class CompressedChannel:
             counted=counted,
             discarded=discarded,
             schema=schema.digest if schema is not None else None,
+            run=self.run,
         )
         out = RecordDict(dict(content.items()))
         if download is not None:
@@ -365,12 +370,16 @@ class CompressedChannel:
             self.counted[node] = self._sent.get(node, (server_round, None))[0]
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The counted map as two aligned int64 arrays (node ids, versions), for the checkpoint."""
-        return counted_state(self.counted)
+        """The counted map as two aligned int64 arrays (node ids, versions) and the run's identity, for
+        the checkpoint."""
+        return counted_state(self.counted) | {RUN_KEY: np.array([self.run], dtype=np.int64)}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Restore :meth:`state_dict` (a checkpoint without it leaves the map empty: nothing counted)."""
+        """Restore :meth:`state_dict` (a checkpoint without it leaves the map empty: nothing counted; and
+        one without the run's identity, from before it was kept, makes this a new run for the nodes)."""
         self.counted = counted_from_state(state)
+        if RUN_KEY in state and np.asarray(state[RUN_KEY]).size == 1:
+            self.run = int(np.asarray(state[RUN_KEY]).reshape(-1)[0])
 
     def reject(self, server_round: int, node_id: int, rejection: Rejected) -> None:
         """Log and count a rejected reply; an update refused as bad is discarded, not sent again."""

@@ -12,12 +12,23 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["COUNTED_NODES_KEY", "COUNTED_VERSIONS_KEY", "counted_from_state", "counted_state"]
+__all__ = [
+    "CHANNEL_KEYS",
+    "COUNTED_NODES_KEY",
+    "COUNTED_VERSIONS_KEY",
+    "RUN_KEY",
+    "counted_from_state",
+    "counted_state",
+]
 
 COUNTED_NODES_KEY = "counted/node-ids"
 """``state_dict`` key: int64 node ids of the counted map (aligned with :data:`COUNTED_VERSIONS_KEY`)."""
 COUNTED_VERSIONS_KEY = "counted/versions"
 """``state_dict`` key: int64 version of each node's last counted update."""
+RUN_KEY = "channel/run"
+"""``state_dict`` key: the run's identity (one int64), which a resumed coordinator keeps telling its nodes."""
+CHANNEL_KEYS = (COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY, RUN_KEY)
+"""The keys of a strategy's state that are its compressed channel's."""
 
 
 def counted_state(counted: Mapping[int, int]) -> dict[str, np.ndarray]:

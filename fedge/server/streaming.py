@@ -26,7 +26,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedge.compression import CodecError, decode_add
 from fedge.protocol.records import arrays_to_record, record_to_arrays
 from fedge.server.channel import CompressedChannel, CompressionConfig
-from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
+from fedge.server.counted import CHANNEL_KEYS
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.screening import Rejected, ScreenedReply
 
@@ -222,6 +222,6 @@ class StreamingFedAvg(FedAvg):
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore :meth:`state_dict` after a restart: server momentum and Adam moments continue, and clients
         whose updates the restored model lacks are told so."""
-        counted = (COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY)
+        counted = CHANNEL_KEYS
         self.channel.load_state_dict({k: v for k, v in state.items() if k in counted})
         self.optimizer.load_state_dict({k: v for k, v in state.items() if k not in counted})

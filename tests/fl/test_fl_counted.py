@@ -226,7 +226,7 @@ def test_streaming_fedavg_tells_each_node_which_update_counted_and_checkpoints_i
     # a coordinator restored from the state remembers the same, and its optimizer state
     state = first.state_dict()
     assert state[COUNTED_NODES_KEY].dtype == state[COUNTED_VERSIONS_KEY].dtype == np.int64
-    assert {k.split("/")[0] for k in state} == {"steps", "velocity", "counted"}
+    assert {k.split("/")[0] for k in state} == {"steps", "velocity", "counted", "channel"}
     restored = strategy()
     restored.load_state_dict(state)
     assert _counted(_configure(restored, 2)) == again

@@ -165,6 +165,8 @@ def test_counted_map_holds_exactly_the_aggregated_replies():
     restored = RobustStreamingFedAvg(CompressionConfig(codec.spec))
     restored.load_state_dict(strategy.state_dict())
     assert restored.channel.counted == strategy.channel.counted
+    assert restored.channel.run == strategy.channel.run  # the nodes' state stays this run's
+    assert RobustStreamingFedAvg(CompressionConfig(codec.spec)).channel.run != strategy.channel.run
     assert restored.reputation == pytest.approx(strategy.reputation)
     assert set(restored.reputation) == set(nodes[:4])
 

@@ -50,7 +50,8 @@ def test_strategy_state_survives_a_checkpoint(tmp_path):
     finally:
         grid.shutdown()
     state = trained.state_dict()
-    assert int(state["steps"]) == 2 and {k.split("/")[0] for k in state} == {"steps", "velocity", "counted"}
+    assert int(state["steps"]) == 2
+    assert {k.split("/")[0] for k in state} == {"steps", "velocity", "counted", "channel"}
 
     arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
     save_checkpoint(tmp_path, 2, arrays, history, state)

@@ -1,0 +1,54 @@
+"""A coordinator started afresh is a new run: nodes drop the last run's error-feedback state."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
+
+from fedge.app.client_app import app as client_app
+from fedge.app.config import AppConfig
+from fedge.app.server_app import run_federated
+from fedge.client.compression_mod import EF_STATE_KEY, PENDING_KEY, RUN_KEY, follow_run
+from fedge.flower.compat import set_task_identity
+from fedge.protocol.records import Instruction
+from fedge.simulation.local_grid import LocalGrid
+
+
+def _context() -> Context:
+    context = Context(run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={})
+    context.state[EF_STATE_KEY] = ArrayRecord({"w": Array(np.ones(3, np.float32))})
+    context.state[PENDING_KEY] = ConfigRecord({"payload": b"old", "version": 4})
+    return context
+
+
+def test_a_node_drops_state_of_another_run_and_keeps_its_own():
+    context = _context()
+    follow_run(context, 11)  # first instruction with a run: the state is taken as this run's
+    assert EF_STATE_KEY in context.state and context.state[RUN_KEY]["run"] == 11
+    follow_run(context, 11)
+    assert PENDING_KEY in context.state
+    follow_run(context, None)  # a coordinator that does not say: nothing changes
+    assert PENDING_KEY in context.state
+    follow_run(context, 12)  # another run: its residual and pending update are the last run's
+    assert EF_STATE_KEY not in context.state and PENDING_KEY not in context.state
+    assert context.state[RUN_KEY]["run"] == 12
+
+
+def test_the_run_travels_in_the_instruction():
+    record = Instruction(codec="fp32", version=1, run=2**61 + 5).to_record()
+    assert Instruction.from_record(record).run == 2**61 + 5
+    assert Instruction.from_record(Instruction(codec="fp32", version=1).to_record()).run is None
+
+
+def test_a_second_run_on_the_same_nodes_trains_as_the_first_did():
+    """The sweep's bug: the nodes of a finished run, reused, folded their old residual and last update
+    into the new model (round-1 accuracy 0.71, then 0.46, where fresh nodes gave 0.81 every time)."""
+    set_task_identity(run_id=1)
+    grid = LocalGrid(client_app, 3, workers=2)
+    config = AppConfig(rounds=2, local_epochs=1, min_nodes=3, codec="topk:0.05+int8")
+    try:
+        first = [r.accuracy for r in run_federated(grid, config, num_partitions=3).rounds]
+        second = [r.accuracy for r in run_federated(grid, config, num_partitions=3).rounds]
+    finally:
+        grid.shutdown()
+    assert second == first
