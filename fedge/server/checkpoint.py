@@ -81,13 +81,13 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
         ) from None
 
 
-def set_aside_checkpoint(state_dir: str | Path) -> str | None:
-    """Rename the checkpoint in ``state_dir``, if any, to one of its own (a fresh run would overwrite it at
-    the end of its first round); the new name, or None if there was none."""
-    path = Path(state_dir) / CHECKPOINT_FILE
+def set_aside_checkpoint(state_dir: str | Path, name: str = CHECKPOINT_FILE) -> str | None:
+    """Rename the checkpoint ``name`` in ``state_dir``, if any, to one of its own (a fresh run would
+    overwrite it at the end of its first round); the new name, or None if there was none."""
+    path = Path(state_dir) / name
     if not path.exists():
         return None
-    kept = path.with_name(f"checkpoint-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.npz")
+    kept = path.with_name(f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{path.suffix}")
     try:
         path.rename(kept)
     except OSError as err:

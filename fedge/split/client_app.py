@@ -129,7 +129,7 @@ def train_full(msg: Message, context: Context) -> Message:
         content["arrays"] = ArrayRecord(model.state_dict())
     else:  # the update since the round's start, with this node's error feedback (kept in its Context)
         state = model.state_dict()
-        residual = load_residual(context)
+        residual = load_residual(context, int(config.get("run", 0)))
         delta = {k: state[k] - v for k, v in start.items()}
         payload = encode_update(delta, spec, residual, seed=int(config["server-round"]))
         save_residual(context, residual)
@@ -281,7 +281,7 @@ def split_step(msg: Message, context: Context) -> Message:
     spec = RunSettings.update_codec(config)
     dense = request.collect and spec is None
     if request.collect and spec is not None and not state.update:
-        residual = load_residual(context)
+        residual = load_residual(context, int(config.get("run", 0)))
         now = _by_model_key(state.front, keys[0]) | _by_model_key(state.head, keys[2])
         delta = {k: now[k] - v for k, v in state.base.items()}
         state.update = encode_update(delta, spec, residual, seed=request.server_round)

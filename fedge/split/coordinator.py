@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -102,7 +103,9 @@ class SplitCoordinator:
         on_round: Callable[[EngineRound], None] | None = None,
     ) -> None:
         self.grid, self.config, self.on_wave, self.on_round = grid, config, on_wave, on_round
-        self.settings = RunSettings(config.task, config.task_args, config.alpha, config.split)
+        # a fresh run's identity (a resume keeps the checkpoint's): clients drop another run's leftovers
+        run = secrets.randbits(62)
+        self.settings = RunSettings(config.task, config.task_args, config.alpha, config.split, run)
         self.task = prepare_task(
             config.task,
             config.task_args,
@@ -366,6 +369,7 @@ class SplitCoordinator:
             links=link_arrays(self.links),
             history=[dataclasses.asdict(r) for r in self.history],
             run=self.config.run_fingerprint(),
+            run_key=self.settings.run,
         )
 
     def _restore(self) -> None:
@@ -382,4 +386,6 @@ class SplitCoordinator:
         if self.clock is not None and self.history:
             self.clock.clock_s = self.history[-1].clock_s
         self.completed_round = saved.completed_round
+        if saved.run_key:
+            self.settings = dataclasses.replace(self.settings, run=saved.run_key)
         log.info("resuming the split run after round %d", self.completed_round)

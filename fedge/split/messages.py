@@ -61,12 +61,16 @@ class RunSettings:
     split : SplitFedConfig
         Batch size, epochs, learning rate, momentum, seed, the cut's codecs, the U-shaped head and the
         update codec.
+    run : int (default: 0)
+        The coordinator's run (random for a fresh start, kept by a resume): a client drops the update
+        error feedback of another run (:func:`fedge.split.updates.load_residual`). 0: not told.
     """
 
     task: str
     task_args: str
     alpha: float
     split: SplitFedConfig
+    run: int = 0
 
     def record(self, server_round: int, **more: int | float | str | bool) -> ConfigRecord:
         """The ``"config"`` record of a request in ``server_round``, with ``more`` fields."""
@@ -88,6 +92,7 @@ class RunSettings:
                 "gradient-feedback": bool(s.cut.gradient_feedback),
                 "head-layers": int(s.head_layers) if s.u_shaped else 0,
                 "update-codec": s.update_codec or "",
+                "run": int(self.run),
                 **more,
             }
         )

@@ -63,6 +63,8 @@ class SplitCheckpoint:
         The rounds so far (:class:`fedge.split.coordinator.EngineRound` as dicts).
     run : dict
         What the run was (task, variant, codecs): a resumed coordinator refuses a different run.
+    run_key : int (default: 0)
+        The run's random identity, told to clients (0: from before it was kept).
     """
 
     completed_round: int
@@ -72,6 +74,7 @@ class SplitCheckpoint:
     links: dict[str, np.ndarray] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     run: dict[str, Any] = field(default_factory=dict)
+    run_key: int = 0
 
 
 def save_split_checkpoint(state_dir: str | Path, checkpoint: SplitCheckpoint) -> Path:
@@ -80,6 +83,7 @@ def save_split_checkpoint(state_dir: str | Path, checkpoint: SplitCheckpoint) ->
         "round": checkpoint.completed_round,
         "history": checkpoint.history,
         "run": checkpoint.run,
+        "run_key": checkpoint.run_key,
     }
     arrays: dict[str, np.ndarray] = {}
     for group in _GROUPS:
@@ -111,7 +115,13 @@ def load_split_checkpoint(state_dir: str | Path) -> SplitCheckpoint | None:
                 group: {name: np.array(data[f"{group}{i}"]) for i, name in enumerate(meta[group])}
                 for group in _GROUPS
             }
-        return SplitCheckpoint(int(meta["round"]), history=meta["history"], run=meta["run"], **groups)
+        return SplitCheckpoint(
+            int(meta["round"]),
+            history=meta["history"],
+            run=meta["run"],
+            run_key=int(meta.get("run_key", 0)),
+            **groups,
+        )
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"split checkpoint {path} cannot be read: {err}") from None
 

@@ -30,8 +30,10 @@ from typing import Any
 
 from fedge.atomic import write_json_atomic
 from fedge.config import ConfigError, from_table, read_toml
+from fedge.server.checkpoint import set_aside_checkpoint
 from fedge.split.coordinator import SplitCoordinator
 from fedge.split.engine_config import EngineRound, SplitAppConfig
+from fedge.split.server_state import SPLIT_CHECKPOINT_FILE
 from fedge.transport.config import MqttConfig
 from fedge.transport.grid import MqttGrid
 
@@ -108,6 +110,15 @@ def run_split_service(
     told (progress displays).
     """
     out = Path(config.out_dir) if config.out_dir else None
+    state_dir = config.run.state_dir
+    if state_dir and not config.run.resume:  # a fresh start: keep an earlier run's checkpoint
+        kept = set_aside_checkpoint(state_dir, SPLIT_CHECKPOINT_FILE)
+        if kept is not None:
+            log.warning(
+                "%s held an earlier split run's checkpoint (--resume continues it): kept as %s",
+                state_dir,
+                kept,
+            )
 
     with MqttGrid(config.mqtt) as grid:
         coordinator: SplitCoordinator

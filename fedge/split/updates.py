@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 
 from fedge.compression import CodecError, ErrorFeedback, build_codec, decode
 
@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 UPDATE_EF_KEY = "split.update_ef"
+UPDATE_RUN_KEY = "split.update_run"  # the coordinator's run the residual belongs to
 """The ``Context.state`` record holding a client's update error-feedback state."""
 
 Delta = dict[str, torch.Tensor]
@@ -88,9 +89,17 @@ def decode_update(payload: bytes, shapes: dict[str, torch.Size]) -> Delta:
     return out
 
 
-def load_residual(context: Context) -> dict[str, np.ndarray]:
-    """The client's update error-feedback state (empty before its first compressed update)."""
+def load_residual(context: Context, run: int = 0) -> dict[str, np.ndarray]:
+    """The client's update error-feedback state for the coordinator's ``run`` (empty before its first
+    compressed update, and for a run other than the one it was kept for: a fresh coordinator's model must
+    not receive the last run's leftovers)."""
     record = context.state.get(UPDATE_EF_KEY)
+    held = context.state.get(UPDATE_RUN_KEY)
+    if run and (not isinstance(held, ConfigRecord) or held.get("run") != run):
+        context.state[UPDATE_RUN_KEY] = ConfigRecord({"run": run})
+        if record is not None and held is not None:
+            del context.state[UPDATE_EF_KEY]
+            return {}
     return {} if record is None else {k: v.numpy() for k, v in record.items()}
 
 

@@ -52,3 +52,27 @@ def test_a_second_run_on_the_same_nodes_trains_as_the_first_did():
     finally:
         grid.shutdown()
     assert second == first
+
+
+def test_a_split_client_keeps_its_update_residual_for_one_run_only():
+    from fedge.split.updates import load_residual, save_residual
+
+    context = Context(run_id=1, node_id=3, node_config={}, state=RecordDict(), run_config={})
+    assert load_residual(context, run=5) == {}
+    save_residual(context, {"w": np.ones(2, np.float32)})
+    assert list(load_residual(context, run=5)) == ["w"]  # the same run: kept
+    assert load_residual(context, run=0) != {}  # a coordinator that does not say: kept
+    assert load_residual(context, run=6) == {}  # a new run: the last run's residual is dropped
+    assert load_residual(context, run=6) == {}
+
+
+def test_a_fresh_start_keeps_the_earlier_runs_checkpoint_under_its_own_name(tmp_path):
+    from fedge.server.checkpoint import set_aside_checkpoint
+    from fedge.split.server_state import SPLIT_CHECKPOINT_FILE
+
+    (tmp_path / SPLIT_CHECKPOINT_FILE).write_bytes(b"round 3 of an earlier run")
+    kept = set_aside_checkpoint(tmp_path, SPLIT_CHECKPOINT_FILE)
+    assert kept is not None and kept.startswith("split-checkpoint-") and kept.endswith(".npz")
+    assert (tmp_path / kept).read_bytes() == b"round 3 of an earlier run"
+    assert not (tmp_path / SPLIT_CHECKPOINT_FILE).exists()
+    assert set_aside_checkpoint(tmp_path, SPLIT_CHECKPOINT_FILE) is None
