@@ -29,6 +29,11 @@ __all__ = ["STRATEGIES", "AppConfig"]
 _PRESET_DEFAULTS = {"codec": "", "downlink_codec": "", "server_lr": 1.0, "ef_momentum": 0.0}
 """What the fields a preset sets hold when neither they nor ``compress`` say otherwise."""
 
+RUN_CONFIG_UNSET = {"codec": "", "downlink_codec": "", "server_lr": 0.0, "ef_momentum": -1.0}
+"""Flower's run config has no None, and ``flwr run`` takes only the keys the app declares (with a value):
+these values of the preset's fields mean "unset" there (``pyproject.toml`` declares them), so a ``compress``
+preset still chooses them."""
+
 ADAM_SERVER_LR = 0.1
 """``server_lr`` of ``server_optimizer = "adam"`` when none is given, whatever the preset: Adam's steps
 are about ``server_lr`` per coordinate whatever the update's scale, so the presets' rates (1-3, which make
@@ -338,7 +343,8 @@ class AppConfig:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             key = cls._RUN_CONFIG_KEYS.get(f.name, f.name.replace("_", "-"))
-            if key in run_config:
+            unset = f.name in RUN_CONFIG_UNSET and run_config.get(key) == RUN_CONFIG_UNSET[f.name]
+            if key in run_config and not unset:
                 values[f.name] = run_config[key]
         for name in ("task_args", "upload_budget"):  # Flower's run config is flat: tables travel as JSON
             if isinstance(values.get(name), str):

@@ -24,7 +24,9 @@ def test_flwr_run_simulates_the_app_with_ray(app_dir, env, cleanup, tmp_path):
             "run",
             ".",
             "--run-config",
-            f"out-dir='{out}' num-server-rounds={ROUNDS} min-nodes={SUPERNODES}",
+            # strategy and task-args: keys Flower refused until pyproject.toml declared every setting
+            f"out-dir='{out}' num-server-rounds={ROUNDS} min-nodes={SUPERNODES} "
+            "strategy='fedavg' task-args='{}'",
             # Flower 1.42 takes simulation settings per run (whole CPUs only: a fraction fails to encode).
             "--federation-config",
             f"num-supernodes={SUPERNODES} client-resources-num-cpus=1",
