@@ -52,7 +52,7 @@ from fedge.server.channel import CompressedChannel, CompressionConfig
 from fedge.server.counted import CHANNEL_KEYS
 from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer, statistics
-from fedge.server.runner import RunFailed
+from fedge.server.runner import RunFailed, error_summary
 from fedge.server.screening import REJECTION_REASONS, Rejected, screen_dense_reply
 
 __all__ = ["FedBuffStrategy"]
@@ -284,7 +284,8 @@ class FedBuffStrategy(Strategy):
                     losses, first_loss, refill = losses + 1, first_loss or reply.error.reason, True
                     log.info("node %d lost its work: %s", dispatch.node, reply.error.reason)
                     if losses > 20 * self.concurrency:
-                        raise RunFailed(f"{losses} dispatches in a row lost their work; first: {first_loss}")
+                        cause = error_summary(first_loss)
+                        raise RunFailed(f"{losses} dispatches in a row lost their work; first: {cause}")
                     continue
                 losses, self._arrived[message_id] = 0, dispatch
                 buffer.append(reply)

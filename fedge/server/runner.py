@@ -34,7 +34,14 @@ from fedge.server.round_figures import evaluation_figures, train_figures
 if TYPE_CHECKING:
     from fedge.server.model_export import ModelExporter
 
-__all__ = ["FederatedRun", "ResumePoint", "RoundEnd", "RunFailed", "run_rounds"]
+__all__ = [
+    "FederatedRun",
+    "ResumePoint",
+    "RoundEnd",
+    "RunFailed",
+    "error_summary",
+    "run_rounds",
+]
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +246,8 @@ def run_rounds(
     finally:  # an interrupted or failed run still leaves the rounds it completed
         if run.out_dir and history.rounds:
             write_run_outputs(history, run.out_dir)
+        elif run.out_dir:  # none (FedBuff that never aggregated): its config and starting point, still
+            history.write(run.out_dir)
     failures.check_run(history)
     return history
 
@@ -287,7 +296,7 @@ class _FailureWatch:
         if _trained(metrics):
             self.in_a_row = 0
             if failed:  # the round trained, without some clients: say who failed and why
-                cause = _last_line(first_error)
+                cause = error_summary(first_error)
                 level = logging.INFO if cause == self._reported else logging.WARNING
                 self._reported = cause
                 log.log(
@@ -301,7 +310,7 @@ class _FailureWatch:
             return
         self.in_a_row += 1
         self.first_error = self.first_error or first_error or _rejections(metrics)
-        cause = _last_line(first_error) or _rejections(metrics) or "no client replied in time"
+        cause = error_summary(first_error) or _rejections(metrics) or "no client replied in time"
         log.warning(
             "round %d: none of the %d sampled clients' updates was accepted; first: %s",
             metrics.round,
@@ -317,7 +326,7 @@ class _FailureWatch:
 
     def check_run(self, history: RunHistory) -> None:
         if history.rounds and not any(map(_trained, history.rounds)):
-            cause = _last_line(self.first_error) or "no client replied in time"
+            cause = error_summary(self.first_error) or "no client replied in time"
             raise RunFailed(f"no client update was accepted in any round; first: {cause}")
 
 
@@ -333,7 +342,7 @@ def _rejections(metrics: RoundMetrics) -> str:
     return "rejected by screening: " + ", ".join(f"{reason} x{n}" for reason, n in sorted(counts.items()))
 
 
-def _last_line(text: str) -> str:
+def error_summary(text: str) -> str:
     """The line of a traceback people need first: its last, with the partition named in its first."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:

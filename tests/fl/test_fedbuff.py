@@ -258,3 +258,22 @@ def test_a_run_resumed_after_its_last_aggregation_sends_no_work():
     finally:
         grid.shutdown()
     assert pushed == [] and [r.round for r in resumed.rounds] == [1, 2]
+
+
+def test_a_run_where_every_client_fails_ends_in_one_line_and_leaves_metrics_json(tmp_path):
+    from fedge.server.runner import RunFailed
+
+    (tmp_path / "broken.py").write_text(
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Broken(DigitsTask):\n"
+        "    def train(self, model, data, config):\n"
+        "        raise RuntimeError('boom in train')\n"
+    )
+    out = tmp_path / "out"
+    app = _fedbuff_app(rounds=2, concurrency=2, task=f"{tmp_path / 'broken.py'}:Broken", out_dir=str(out))
+    with pytest.raises(RunFailed) as failed:
+        run_simulation(SimulationConfig(clients=2, workers=1, app=app))
+    message = str(failed.value)
+    assert "lost their work; first: partition" in message and message.endswith("RuntimeError: boom in train")
+    assert "Traceback" not in message and "\n" not in message
+    assert (out / "metrics.json").exists()  # nothing aggregated: its config, still
