@@ -7,6 +7,7 @@ them once (:mod:`fedge.simulation.agent_processes`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tempfile
@@ -84,7 +85,13 @@ def run_mqtt_simulation(
             node_stall_s=90.0,
             schedule=schedule or Schedule(),
         )
-        config = CoordinatorConfig(service=service, app=app_config)
+        # a simulation exports only when asked (the service's own default is every round)
+        app = (
+            app_config
+            if app_config.export_every is not None
+            else dataclasses.replace(app_config, export_every=0)
+        )
+        config = CoordinatorConfig(service=service, app=app)
         return run_coordinator(config, listeners=listeners)
 
 

@@ -24,6 +24,7 @@ def test_ten_agents_over_mqtt_match_the_local_engine(broker, tmp_path):
         10, AppConfig(rounds=5, seed=7, min_nodes=10), broker_url=broker.url, workdir=tmp_path
     )
     assert [r.clients_replied for r in mqtt.rounds] == [10] * 5
+    assert not any("export_version" in r.extra for r in mqtt.rounds)  # a simulation exports when asked
     gap_pp = 100 * abs(mqtt.rounds[-1].accuracy - local.rounds[-1].accuracy)
     assert gap_pp <= 0.5, (mqtt.rounds[-1].accuracy, local.rounds[-1].accuracy)
     assert mqtt.rounds[-1].accuracy > 0.8
