@@ -74,6 +74,12 @@ class SimulationConfig:
             raise ConfigError(f"clients must be >= 1, got {self.clients!r}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers!r}")
+        rounds_only = self.schedule.deadline_s is not None or self.schedule.adaptive_deadline
+        if self.app.strategy == "fedbuff" and (rounds_only or self.schedule.over_select != 1.0):
+            raise ConfigError(
+                "a deadline or over_select does not apply to strategy fedbuff: it has no rounds to cut "
+                "(its concurrency and buffer_size are its schedule; availability_aware and memory_aware do)"
+            )
         if self.broker and self.engine != "mqtt":
             raise ConfigError(f"broker is for the mqtt engine; this run's engine is {self.engine}")
         if self.fleet is not None and self.engine == "mqtt":

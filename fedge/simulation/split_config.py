@@ -224,6 +224,14 @@ def load_split_simulation(
     if not isinstance(table, Mapping):
         raise ConfigError(f"split must be a table, got {table!r}")
     values = {**values, **(overrides or {})}
+    engine = values.get("engine", "local")
+    if engine != "local":  # before the fleet's own check, whose message names engines split does not run on
+        raise ConfigError(
+            f"engine {engine!r} does not run split training: split runs use the in-process driver "
+            "(leave engine unset)"
+        )
+    if "workers" in values:
+        raise ConfigError("workers does not apply to --split (the driver trains its clients in this process)")
     fleet = values.get("fleet")
     if fleet is None:
         values["fleet"] = {"mix": dict(_DEFAULT_MIX), "classes": {"mcu_wifi": MCU_WIFI}}

@@ -62,6 +62,13 @@ def test_config_file_and_flags_combine(tmp_path):
         (["--alpha", "inf"], None, "alpha must be > 0 and finite"),
         (["--broker", "mqtt://127.0.0.1:1"], None, "broker is for the mqtt engine"),
         (["--out", "pyproject.toml"], None, "--out pyproject.toml is a file, not a directory"),
+        (
+            [],
+            'strategy = "fedbuff"\n[fleet]\nmix = { pi4_wifi = 1.0 }\n[schedule]\ndeadline_s = 2.0\n',
+            "a deadline or over_select does not apply to strategy fedbuff",
+        ),
+        (["--split", "--engine", "mqtt"], None, "engine 'mqtt' does not run split training"),
+        (["--split", "--workers", "3"], None, "workers does not apply to --split"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, toml, needle):
