@@ -15,6 +15,7 @@ from fedge.app.server_app import federated_run
 from fedge.config import from_table, read_toml
 from fedge.reporting.history import RoundListener, RunHistory
 from fedge.server.model_export import ExportedModel
+from fedge.server.schedule import check_schedule_for
 from fedge.server.service import ServiceConfig, run_service
 from fedge.transport.config import MqttConfig
 
@@ -35,6 +36,9 @@ class CoordinatorConfig:
 
     service: ServiceConfig
     app: AppConfig = field(default_factory=AppConfig)
+
+    def __post_init__(self) -> None:
+        check_schedule_for(self.app.strategy, self.service.schedule)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> CoordinatorConfig:

@@ -15,7 +15,7 @@ import numpy as np
 
 from fedge.config import ConfigError, check_types
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "check_schedule_for"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +86,13 @@ class Schedule:
         if not self.adaptive_deadline or not delays:
             return self.deadline_s
         return self.deadline_slack * float(np.quantile(delays, self.deadline_quantile))
+
+
+def check_schedule_for(strategy: str, schedule: Schedule) -> None:
+    """Refuse what a strategy cannot do: FedBuff has no rounds for a deadline or over-selection to cut."""
+    rounds_only = schedule.deadline_s is not None or schedule.adaptive_deadline or schedule.over_select != 1.0
+    if strategy == "fedbuff" and rounds_only:
+        raise ConfigError(
+            "a deadline or over_select does not apply to strategy fedbuff: it has no rounds to cut "
+            "(its concurrency and buffer_size are its schedule; availability_aware and memory_aware do)"
+        )

@@ -12,6 +12,7 @@ from typing import Any
 from fedge.app.config import AppConfig
 from fedge.config import ConfigError, check_types, from_table, read_toml
 from fedge.devices.fleet import FleetConfig
+from fedge.server.schedule import check_schedule_for
 from fedge.simulation.clock_grid import Schedule
 
 __all__ = ["ENGINES", "SimulationConfig"]
@@ -74,12 +75,7 @@ class SimulationConfig:
             raise ConfigError(f"clients must be >= 1, got {self.clients!r}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers!r}")
-        rounds_only = self.schedule.deadline_s is not None or self.schedule.adaptive_deadline
-        if self.app.strategy == "fedbuff" and (rounds_only or self.schedule.over_select != 1.0):
-            raise ConfigError(
-                "a deadline or over_select does not apply to strategy fedbuff: it has no rounds to cut "
-                "(its concurrency and buffer_size are its schedule; availability_aware and memory_aware do)"
-            )
+        check_schedule_for(self.app.strategy, self.schedule)
         if self.broker and self.engine != "mqtt":
             raise ConfigError(f"broker is for the mqtt engine; this run's engine is {self.engine}")
         if self.fleet is not None and self.engine == "mqtt":

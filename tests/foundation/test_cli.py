@@ -190,6 +190,11 @@ def test_more_clients_than_the_data_can_split_is_one_line(tmp_path):
         ("agent", 'node_id = "n1"\nstate_dir = "/proc/none/s"\n', "cannot create the state directory"),
         ("agent", 'node_id = "coordinator"\nstate_dir = "{tmp}/s"\n', "is reserved for the coordinator"),
         (
+            "coordinator",
+            'state_dir = "{tmp}/s"\n[schedule]\ndeadline_s = 5.0\n[app]\nstrategy = "fedbuff"\n',
+            "a deadline or over_select does not apply to strategy fedbuff",
+        ),
+        (
             "agent",
             'node_id = "n1"\nstate_dir = "{tmp}/s"\n'
             '[node_config]\n"partition-id" = 5\n"num-partitions" = 2\n',
