@@ -44,6 +44,7 @@ from fedge.app.task import prepare_task
 from fedge.config import ConfigError
 from fedge.devices.fleet import CATALOGUE, ClientProfile
 from fedge.flower.compat import set_task_identity
+from fedge.server.runner import error_summary
 from fedge.split.cut import CutLink
 from fedge.split.engine_clock import EngineClock
 from fedge.split.engine_config import EngineRound, SplitAppConfig
@@ -309,15 +310,29 @@ class SplitCoordinator:
         config = self.settings.record(0)
         messages = [self._message(RecordDict({"config": config}), n, HELLO, 0) for n in new]
         for reply in self.grid.send_and_receive(messages, timeout=self.config.step_timeout_s):
+            node = reply.metadata.src_node_id
             if reply.has_error():
-                log.warning("node %s did not say hello: %s", reply.metadata.src_node_id, reply.error.reason)
+                reason = reply.error.reason
+                hint = (
+                    ' (it does not run the split client app: client_app = "fedge.split.app:client_app")'
+                    if "split_hello" in reason
+                    else ""
+                )
+                log.warning("node %s did not say hello: %s%s", node, error_summary(reason), hint)
                 continue
             hello = Hello.from_message(reply)
             plan = self._plan(hello)
-            self.nodes[reply.metadata.src_node_id] = _Node(hello.partition_id, hello.num_examples, plan)
-            log.info(
-                "node %s: partition %d trains %s", reply.metadata.src_node_id, hello.partition_id, plan.mode
-            )
+            self.nodes[node] = _Node(hello.partition_id, hello.num_examples, plan)
+            log.info("node %s: partition %d trains %s", node, hello.partition_id, plan.mode)
+            if plan.mode == "none":
+                log.warning(
+                    "node %s (partition %d) can train neither the model nor a front stage: it has %d bytes "
+                    "for training, the least it needs is %d",
+                    node,
+                    hello.partition_id,
+                    plan.device_bytes,
+                    plan.required_bytes,
+                )
 
     def _plan(self, hello: Hello) -> ClientPlan:
         if self.config.profiles:
