@@ -65,9 +65,8 @@ _NOTHING = object()  # the shared key of a worker that holds no blob: equal to n
 _DEPTH = 2  # calls a worker holds at once: the one it runs and the next, waiting in its pipe
 _PIPE_BYTES = 1 << 20  # Linux's default cap for an unprivileged pipe (/proc/sys/fs/pipe-max-size)
 _FRAME_OVERHEAD = 64  # bytes of framing per call beyond its frames' lengths (generous)
-_COUNT = struct.Struct("!I")  # a reply's first frame: how many frames follow before the context
-# multiprocessing's framing, which the workers write with send_bytes: a length, or -1 and a longer one
-_LENGTH, _LONG_LENGTH = struct.Struct("!i"), struct.Struct("!Q")
+_COUNT = struct.Struct("!I")  # a reply: its frame count, then every frame's length (the context's last)
+_LENGTH = struct.Struct("!Q")
 
 
 @dataclass
@@ -323,18 +322,26 @@ def _send(worker: _Worker, job: _Job) -> None:
     worker.calls.send_bytes(job.context)
 
 
+def _write_reply(fd: int, frames: Sequence[Any], context: bytes) -> None:
+    """A reply as :func:`_read_reply` reads it, in one ``writev`` where the pipe takes it all (one wake-up of
+    the reading process per reply rather than one per frame)."""
+    parts = [memoryview(frame).cast("B") for frame in (*frames, context)]
+    header = _COUNT.pack(len(frames)) + b"".join(_LENGTH.pack(part.nbytes) for part in parts)
+    pending = [memoryview(header), *(part for part in parts if part.nbytes)]
+    while pending:
+        written = os.writev(fd, pending)
+        while pending and written >= pending[0].nbytes:  # drop what went out whole, trim what went in part
+            written -= pending.pop(0).nbytes
+        if pending and written:
+            pending[0] = pending[0][written:]
+
+
 def _read_reply(fd: int) -> tuple[Frames, bytes]:
     """A worker's reply frames and new context, read from its pipe (see the module docstring)."""
-    (count,) = _COUNT.unpack(_read_frame(fd))
-    return tuple(_read_frame(fd) for _ in range(count)), _read_frame(fd)
-
-
-def _read_frame(fd: int) -> bytes:
-    """One frame ``Connection.send_bytes`` wrote: its length, then its bytes."""
-    (length,) = _LENGTH.unpack(_read_exactly(fd, _LENGTH.size))
-    if length == -1:
-        (length,) = _LONG_LENGTH.unpack(_read_exactly(fd, _LONG_LENGTH.size))
-    return _read_exactly(fd, length)
+    (count,) = _COUNT.unpack(_read_exactly(fd, _COUNT.size))
+    lengths = struct.unpack(f"!{count + 1}Q", _read_exactly(fd, _LENGTH.size * (count + 1)))
+    parts = [_read_exactly(fd, length) for length in lengths]
+    return tuple(parts[:-1]), parts[-1]
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -383,9 +390,6 @@ def _serve(
             return
         frames, new_context = call(payload, context, None if kind == _NO_SHARED else held)
         try:
-            replies.send_bytes(_COUNT.pack(len(frames)))
-            for frame in frames:
-                replies.send_bytes(frame)
-            replies.send_bytes(new_context)
+            _write_reply(replies.fileno(), frames, new_context)
         except OSError:  # the pool closed its end: it no longer wants this reply
             return
