@@ -333,30 +333,24 @@ def test_the_clients_train_metrics_are_recorded_with_each_round():
     assert train_figures(record) == {"train_f1": 0.5, "train_acc": 0.7}
 
 
-def test_a_nan_accuracy_is_warned_about_once(tmp_path, caplog):
+@pytest.mark.parametrize(
+    ("figure", "warning"),
+    [
+        ("accuracy", "evaluate() returned accuracy nan"),
+        # finite weights, NaN outputs: a negative BatchNorm variance (the sweep's compressed running_var)
+        ("loss", "the global model's loss is nan"),
+    ],
+)
+def test_a_nan_figure_of_the_global_model_is_warned_about_once(tmp_path, caplog, figure, warning):
     (tmp_path / "nan_eval.py").write_text(
         "from fedge.app.task import DigitsTask\n\n\n"
-        "class NanAccuracy(DigitsTask):\n"
+        "class NanFigure(DigitsTask):\n"
         "    def evaluate(self, model, data):\n"
-        "        return {**super().evaluate(model, data), 'accuracy': float('nan')}\n"
+        f"        return {{**super().evaluate(model, data), {figure!r}: float('nan')}}\n"
     )
-    app = AppConfig(rounds=2, local_epochs=1, task=f"{tmp_path / 'nan_eval.py'}:NanAccuracy")
+    app = AppConfig(rounds=2, local_epochs=1, task=f"{tmp_path / 'nan_eval.py'}:NanFigure")
     run_simulation(SimulationConfig(clients=2, app=app))
-    warned = [r for r in caplog.records if "evaluate() returned accuracy nan" in r.getMessage()]
-    assert len(warned) == 1 and "round 1" in warned[0].getMessage()
-
-
-def test_a_model_whose_loss_turns_nan_is_warned_about_once(tmp_path, caplog):
-    """Finite weights, NaN outputs: a negative BatchNorm variance (the sweep's compressed running_var)."""
-    (tmp_path / "nan_loss.py").write_text(
-        "import math\nfrom fedge.app.task import DigitsTask\n\n\n"
-        "class NanLoss(DigitsTask):\n"
-        "    def evaluate(self, model, data):\n"
-        "        return {**super().evaluate(model, data), 'loss': math.nan}\n"
-    )
-    app = AppConfig(rounds=2, local_epochs=1, task=f"{tmp_path / 'nan_loss.py'}:NanLoss")
-    run_simulation(SimulationConfig(clients=2, app=app))
-    warned = [r for r in caplog.records if "the global model's loss is nan" in r.getMessage()]
+    warned = [r for r in caplog.records if warning in r.getMessage()]
     assert len(warned) == 1 and "round 1" in warned[0].getMessage()
 
 
