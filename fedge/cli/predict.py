@@ -56,8 +56,8 @@ def predict(
 
     if not model.is_file():
         raise fail(f"model file {model} {'is a directory' if model.is_dir() else 'does not exist'}")
-    if model.suffix != ".onnx":  # e.g. models/latest.json, which names the file to give
-        raise fail(f"--model {model} must be an .onnx file (models/latest.json names the latest one)")
+    if model.suffix == ".json":  # models/latest.json or a manifest: they name the file to give
+        raise fail(f"--model {model} is JSON: give the .onnx file (models/latest.json names the latest one)")
     if out is not None and (out.suffix not in (".csv", ".npy", ".npz") or out.is_dir()):
         raise fail(f"--out {out} must be a .csv, .npy or .npz file")
     server = ModelServer(SessionConfig(intra_op_threads=threads, memory_arena=not no_arena))

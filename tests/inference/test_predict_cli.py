@@ -121,7 +121,7 @@ def test_a_model_of_two_outputs_reports_both_and_of_two_inputs_asks_for_an_npz(t
     latest = tmp_path / "latest.json"
     latest.write_text("{}")
     result = runner.invoke(app, ["predict", "--model", str(latest), "--input", str(tmp_path / "x.npy")])
-    assert result.exit_code == 2 and "must be an .onnx file" in result.output
+    assert result.exit_code == 2 and "is JSON: give the .onnx file" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 
