@@ -154,6 +154,9 @@ class ModelServer:
         model = self._current  # read once: a concurrent swap does not affect this request
         if model is None:
             raise RuntimeError("no model loaded: call load() or swap() first")
+        if len(model.input_types) > 1:  # one array cannot feed them: say what can
+            count, names = len(model.input_types), ", ".join(model.input_types)
+            raise InputError(f"the model takes {count} inputs ({names}): send them by name (.npz)")
         if np.ndim(inputs) == 2 and len(model.input_shape) > 2:  # flat rows (a CSV's): the model's shape
             inputs = fit_to_shape(inputs, list(model.input_shape))
         feed = {model.input_name: model.feed(model.input_name, inputs)}

@@ -118,6 +118,12 @@ def test_a_model_of_two_outputs_reports_both_and_of_two_inputs_asks_for_an_npz(t
         app, ["predict", "--model", str(tmp_path / "in2.onnx"), "--input", str(tmp_path / "x.npy")]
     )
     assert result.exit_code == 2 and "takes 2 inputs" in result.output and ".npz" in result.output
+    from fedge.inference import InputError, ModelServer
+
+    server = ModelServer()
+    assert server.load(tmp_path / "in2.onnx").ok
+    with pytest.raises(InputError, match=r"takes 2 inputs \(.*\): send them by name"):
+        server.predict(rows)  # what a device answers a one-array request with (was ORT's missing-input error)
     latest = tmp_path / "latest.json"
     latest.write_text("{}")
     result = runner.invoke(app, ["predict", "--model", str(latest), "--input", str(tmp_path / "x.npy")])
