@@ -20,9 +20,18 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, numpy_helper
 
 from fedge.partitioning.graph import ModelGraph, Node, Tensor
+from fedge.partitioning.tensor_types import (
+    dim_from_end,
+    dims,
+    elements,
+    itemsize,
+    measured_types,
+    record_types,
+    value_types,
+)
 
 __all__ = ["OPSET", "capture", "export_onnx", "extract_stage", "graph_from_onnx", "input_names", "stage_io"]
 
@@ -157,80 +166,6 @@ def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
-    inferred = shape_inference.infer_shapes(model)
-    g = inferred.graph
-    return {v.name: v.type for v in [*g.value_info, *g.input, *g.output]}
-
-
-def _measured_types(
-    model: onnx.ModelProto, feeds: dict[str, np.ndarray]
-) -> tuple[dict[str, onnx.TypeProto], dict[str, tuple[int, int]]]:
-    """Every node output as ONNX Runtime computes it at batch 2 and 3: its type (dims that change with the
-    batch are symbolic: ``batch`` in dimension 0, ``batch_<k>`` elsewhere), and its bytes as ``(per
-    example, fixed)``, read off the two sizes, so a tensor whose batch is not dimension 0 (a sequence-first
-    attention's ``(S, B, E)``) or is folded into another dimension (``reshape(-1, 8)``) is sized right."""
-    import onnxruntime as ort
-
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    have = {o.name for o in probe.graph.output}
-    names = [y for node in probe.graph.node for y in node.output if y and y not in have]
-    for name in names:
-        probe.graph.output.append(helper.make_empty_tensor_value_info(name))
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    wanted = [o.name for o in probe.graph.output]
-    runs = []
-    for batch in (2, 3):
-        batched = {k: np.concatenate([v[:1]] * batch) for k, v in feeds.items()}
-        runs.append(dict(zip(wanted, session.run(wanted, batched), strict=True)))
-    types, sizes = {}, {}
-    for name in wanted:
-        a, b = np.asarray(runs[0][name]), np.asarray(runs[1][name])
-        per = b.nbytes - a.nbytes
-        if per >= 0 and a.nbytes - 2 * per >= 0:  # affine in the batch, as every batched tensor is
-            sizes[name] = (per, a.nbytes - 2 * per)
-        if a.ndim != b.ndim or a.dtype.hasobject or a.dtype.kind in "SU":
-            continue
-        dims: list[int | str] = [
-            a.shape[k] if a.shape[k] == b.shape[k] else ("batch" if k == 0 else f"batch_{k}")
-            for k in range(a.ndim)
-        ]
-        types[name] = helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(a.dtype), dims)
-    return types, sizes
-
-
-def _record_types(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> None:
-    """Write measured types into ``model``'s value_info where static inference has no full shape, so a
-    stage cut from it has typed inputs and outputs (ONNX requires a shape on a graph's inputs)."""
-    inferred = _value_types(model)
-    io_names = {v.name for v in [*model.graph.input, *model.graph.output]}
-    known = {v.name for v in model.graph.value_info}
-    for name, tp in types.items():
-        static = inferred.get(name)
-        if name in io_names or name in known or (static is not None and _dims(static) is not None):
-            continue
-        model.graph.value_info.append(helper.make_value_info(name, tp))
-
-
-def _dims(tp: onnx.TypeProto | None) -> tuple[list[int], bool] | None:
-    """Per-example dims (batch removed) and whether it has a batch dimension; None if unknown."""
-    if tp is None or not tp.tensor_type.HasField("shape"):
-        return None
-    dims = list(tp.tensor_type.shape.dim)
-    batched = bool(dims) and dims[0].HasField("dim_param")
-    rest = dims[1:] if batched else dims
-    if any(not d.HasField("dim_value") for d in rest):
-        return None
-    return [d.dim_value for d in rest], batched
-
-
-def _itemsize(tp: onnx.TypeProto) -> int:
-    return int(np.dtype(helper.tensor_dtype_to_np_dtype(tp.tensor_type.elem_type)).itemsize)
-
-
 def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None = None) -> ModelGraph:
     """The planner's graph of an ONNX model: per node FLOPs, weights, activation sizes per example.
 
@@ -243,12 +178,12 @@ def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None 
         Runtime at two batch sizes (static shape inference loses shapes after data-dependent reshapes,
         as in attention); otherwise only inferred shapes are used and unknown ones count as 0 bytes.
     """
-    types = _value_types(model)
+    types = value_types(model)
     measured: dict[str, tuple[int, int]] = {}
     if feeds is not None:
-        measured_types, measured = _measured_types(model, feeds)
-        _record_types(model, measured_types)
-        types.update(measured_types)
+        found, measured = measured_types(model, feeds)
+        record_types(model, found)
+        types.update(found)
     g = model.graph
     weight_bytes = {i.name: int(numpy_helper.to_array(i).nbytes) for i in g.initializer}
     outputs = [o.name for o in g.output]
@@ -280,7 +215,7 @@ def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None 
     tensors = {}
     for name, prod in producer.items():
         tp = types.get(name)
-        shape = _dims(tp)
+        shape = dims(tp)
         is_float = tp is not None and tp.tensor_type.elem_type in (
             onnx.TensorProto.FLOAT,
             onnx.TensorProto.FLOAT16,
@@ -290,40 +225,17 @@ def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None 
         elif shape is None:  # unknown shape: count nothing rather than guess (rare: shape-computing ops)
             per, fixed, is_float = 0, 0, False
         else:
-            size = math.prod(shape[0]) * _itemsize(tp)
+            size = math.prod(shape[0]) * itemsize(tp)
             per, fixed = (size, 0) if shape[1] else (0, size)
         tensors[name] = Tensor(name, prod, max(last_use[name], prod), per, fixed, is_float)
     return ModelGraph(tuple(nodes), tensors, weight_bytes, tuple(ins), tuple(outputs))
-
-
-def _numel(tp: onnx.TypeProto | None) -> int:
-    shape = _dims(tp)
-    return math.prod(shape[0]) if shape else 0
-
-
-def _elements(name: str, types: dict, measured: dict[str, tuple[int, int]]) -> int:
-    """Elements of a tensor per example (all of them, if it has no batch dimension)."""
-    tp = types.get(name)
-    if name in measured and tp is not None and tp.tensor_type.elem_type:
-        per, fixed = measured[name]
-        return (per or fixed) // _itemsize(tp)
-    return _numel(tp)
-
-
-def _dim_from_end(tp: onnx.TypeProto | None, back: int) -> int:
-    """A fixed dimension counted from the end (1 if unknown): a product's inner size, wherever the batch
-    dimension is."""
-    if tp is None or not tp.tensor_type.HasField("shape") or len(tp.tensor_type.shape.dim) < back:
-        return 1
-    dim = tp.tensor_type.shape.dim[-back]
-    return dim.dim_value if dim.HasField("dim_value") else 1
 
 
 def _flops(
     node: onnx.NodeProto, types: dict, weight_bytes: dict, g: onnx.GraphProto, measured: dict
 ) -> float:
     """Floating-point operations per example (multiply and add count as two)."""
-    out = _elements(node.output[0], types, measured) if node.output else 0
+    out = elements(node.output[0], types, measured) if node.output else 0
     op = node.op_type
     if op in ("Conv", "ConvTranspose"):
         w = (
@@ -335,12 +247,12 @@ def _flops(
         return 2.0 * out * per_out
     if op in ("Gemm", "MatMul"):
         transposed = op == "Gemm" and any(at.name == "transA" and at.i for at in node.attribute)
-        return 2.0 * out * _dim_from_end(types.get(node.input[0]), 2 if transposed else 1)
+        return 2.0 * out * dim_from_end(types.get(node.input[0]), 2 if transposed else 1)
     if op in ("MaxPool", "AveragePool"):
         kernel = next((list(at.ints) for at in node.attribute if at.name == "kernel_shape"), [1])
         return float(out * math.prod(kernel))
     if op in _NORM:
-        return float(_NORM[op] * max(out, _elements(node.input[0], types, measured)))
+        return float(_NORM[op] * max(out, elements(node.input[0], types, measured)))
     if op in _ELEMENTWISE:
         return float(out)
     return 0.0  # data movement: Reshape, Transpose, Gather, Concat, Flatten, ...
@@ -359,7 +271,7 @@ def extract_stage(model: onnx.ModelProto, graph: ModelGraph, start: int, end: in
     start, end : int
         The stage's cuts.
     """
-    types = _value_types(model)
+    types = value_types(model)
     g = model.graph
     nodes = list(g.node[start:end])
     used = {x for node in nodes for x in node.input if x}
