@@ -228,30 +228,33 @@ class CompressionMod:
         return payload
 
 
-def follow_run(context: Context, run: int | None) -> None:
-    """Drop this node's error-feedback state if it belongs to another run than ``run`` (an instruction's).
+def follow_run(
+    context: Context,
+    run: int | None,
+    *,
+    run_key: str = RUN_KEY,
+    owned: tuple[str, ...] = (PENDING_KEY, EF_STATE_KEY, REFERENCE_KEY, REFERENCE_INFO_KEY),
+) -> None:
+    """Drop this node's error-feedback state (the ``owned`` keys of its Context) if it belongs to another
+    run than ``run`` (an instruction's), which ``run_key`` records.
 
     A coordinator started afresh (a new model) draws a new run; its first instruction would otherwise find
     the last run's residual and its pending update, and, told that update did not count (the new run counted
     nothing), fold the old run's training into the new model. None (a coordinator that does not say):
-    nothing is dropped, as before.
+    nothing is dropped, as before. State found before any run was recorded is taken as this run's.
     """
     if run is None:
         return
-    held = context.state.get(RUN_KEY)
+    held = context.state.get(run_key)
     if isinstance(held, ConfigRecord) and held.get("run") == run:
         return
     if held is not None:
-        dropped = [
-            key
-            for key in (PENDING_KEY, EF_STATE_KEY, REFERENCE_KEY, REFERENCE_INFO_KEY)
-            if key in context.state
-        ]
+        dropped = [key for key in owned if key in context.state]
         for key in dropped:
             del context.state[key]
         if dropped:
             log.info("node %s: a new run: the last run's error-feedback state is dropped", context.node_id)
-    context.state[RUN_KEY] = ConfigRecord({"run": run})
+    context.state[run_key] = ConfigRecord({"run": run})
 
 
 def settle_pending(

@@ -17,8 +17,9 @@ import math
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context
+from flwr.app import Array, ArrayRecord, Context
 
+from fedge.client.compression_mod import follow_run
 from fedge.compression import CodecError, ErrorFeedback, build_codec, decode
 
 __all__ = [
@@ -93,13 +94,8 @@ def load_residual(context: Context, run: int = 0) -> dict[str, np.ndarray]:
     """The client's update error-feedback state for the coordinator's ``run`` (empty before its first
     compressed update, and for a run other than the one it was kept for: a fresh coordinator's model must
     not receive the last run's leftovers)."""
+    follow_run(context, run or None, run_key=UPDATE_RUN_KEY, owned=(UPDATE_EF_KEY,))
     record = context.state.get(UPDATE_EF_KEY)
-    held = context.state.get(UPDATE_RUN_KEY)
-    if run and (not isinstance(held, ConfigRecord) or held.get("run") != run):
-        context.state[UPDATE_RUN_KEY] = ConfigRecord({"run": run})
-        if record is not None and held is not None:
-            del context.state[UPDATE_EF_KEY]
-            return {}
     return {} if record is None else {k: v.numpy() for k, v in record.items()}
 
 
