@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import os
 import time
 import zipfile
@@ -25,6 +26,8 @@ from fedge.server.runner import ResumePoint
 __all__ = ["CHECKPOINT_FILE", "load_checkpoint", "save_checkpoint", "set_aside_checkpoint"]
 
 CHECKPOINT_FILE = "checkpoint.npz"
+
+log = logging.getLogger(__name__)
 
 
 def save_checkpoint(
@@ -83,7 +86,8 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
 
 def set_aside_checkpoint(state_dir: str | Path, name: str = CHECKPOINT_FILE) -> str | None:
     """Rename the checkpoint ``name`` in ``state_dir``, if any, to one of its own (a fresh run would
-    overwrite it at the end of its first round); the new name, or None if there was none."""
+    overwrite it at the end of its first round), and say so in the log; the new name, or None if there was
+    none."""
     path = Path(state_dir) / name
     if not path.exists():
         return None
@@ -92,4 +96,7 @@ def set_aside_checkpoint(state_dir: str | Path, name: str = CHECKPOINT_FILE) -> 
         path.rename(kept)
     except OSError as err:
         raise ConfigError(f"cannot keep the earlier checkpoint {path}: {err.strerror or err}") from None
+    log.warning(
+        "%s held an earlier run's checkpoint (--resume continues it): kept as %s", state_dir, kept.name
+    )
     return kept.name

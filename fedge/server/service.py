@@ -202,10 +202,8 @@ def _run_service(
         else:
             run = dataclasses.replace(run, exporter=run.exporter.with_on_export(on_model_exported))
     make_state_dir(state_dir)
-    if not resume and (kept := set_aside_checkpoint(state_dir)) is not None:
-        log.warning(
-            "%s held an earlier run's checkpoint (--resume continues one): kept as %s", state_dir, kept
-        )
+    if not resume:
+        set_aside_checkpoint(state_dir)
     resume_point = load_checkpoint(state_dir) if resume else None
     if resume_point is not None and resume_point.completed_round >= run.num_rounds:
         # ended already (its outcome was reported then): a supervisor restarting it must not loop

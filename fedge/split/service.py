@@ -112,13 +112,7 @@ def run_split_service(
     out = Path(config.out_dir) if config.out_dir else None
     state_dir = config.run.state_dir
     if state_dir and not config.run.resume:  # a fresh start: keep an earlier run's checkpoint
-        kept = set_aside_checkpoint(state_dir, SPLIT_CHECKPOINT_FILE)
-        if kept is not None:
-            log.warning(
-                "%s held an earlier split run's checkpoint (--resume continues it): kept as %s",
-                state_dir,
-                kept,
-            )
+        set_aside_checkpoint(state_dir, SPLIT_CHECKPOINT_FILE)
 
     with MqttGrid(config.mqtt) as grid:
         coordinator: SplitCoordinator
