@@ -289,6 +289,7 @@ class CompressedChannel:
         replies (Flower errors) only make the coordinator forget which model version the node holds.
         """
         report = self.reports.setdefault(server_round, RoundReport())
+        stats = statistics(self._dtypes)  # left out of every reply's norm
         passed: list[ScreenedReply] = []
         sizes: dict[int, tuple[int, int, int]] = {}  # node -> (wire bytes, payload bytes as sent, dense wire)
         for reply in replies:
@@ -307,7 +308,7 @@ class CompressedChannel:
                     weighted_by_key=self.weighted_by_key,
                     shapes=shapes,
                     schema=self._node_schemas.get(node, self._schema),
-                    statistics=statistics(self._dtypes),
+                    statistics=stats,
                 )
             except Rejected as rejection:
                 self.reject(server_round, node, rejection)
