@@ -8,12 +8,20 @@ import math
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 
 from fedge.config import ConfigError
 
-__all__ = ["check_finite", "config_errors", "configure_logging", "fail", "interrupt_on_sigterm"]
+__all__ = [
+    "check_finite",
+    "check_out_dir",
+    "config_errors",
+    "configure_logging",
+    "fail",
+    "interrupt_on_sigterm",
+]
 
 
 def fail(message: str) -> typer.Exit:
@@ -28,6 +36,13 @@ def check_finite(value: float, flag: str) -> float:
     if not math.isfinite(value):
         raise fail(f"{flag} must be a finite number, got {value}")
     return value
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an ``--out`` directory a command could not write into (an existing file), before it starts;
+    a ConfigError, for :func:`config_errors`."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from typing import Any
 
 import typer
 
-from fedge.cli.common import config_errors, fail
+from fedge.cli.common import check_out_dir, config_errors, fail
 from fedge.config import error_line
 
 __all__ = ["partition_app", "partition_export", "partition_plan", "partition_run"]
@@ -93,11 +93,6 @@ def _planned(
     return onnx_model, graph, feeds, result
 
 
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a directory")
-
-
 def partition_plan(
     model: str = _MODEL,
     devices: str = _DEVICES,
@@ -113,7 +108,7 @@ def partition_plan(
     from fedge.partitioning.plot import plot_plan
 
     with config_errors():
-        _check_out_dir(out)
+        check_out_dir(out)
         _, _, _, result = _planned(model, devices, objective, batch, boundary, calibrate, host_flops)
     typer.echo(result.explain())
     write_bytes_atomic(out / "plan.json", json.dumps(result.to_json(), indent=1).encode())
@@ -139,7 +134,7 @@ def partition_export(
     from fedge.partitioning.stages import export_stages
 
     with config_errors():
-        _check_out_dir(out)
+        check_out_dir(out)
         onnx_model, graph, feeds, result = _planned(
             model, devices, objective, batch, boundary, calibrate, host_flops
         )

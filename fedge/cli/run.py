@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from fedge.cli.common import config_errors, configure_logging, fail
+from fedge.cli.common import check_out_dir, config_errors, configure_logging, fail
 from fedge.config import ConfigError, read_toml
 
 __all__ = ["bench", "parse_task_args", "simulate"]
@@ -133,7 +133,7 @@ def simulate(
             raise ConfigError("the [split] table configures split training: add --split")
         sim = SimulationConfig.from_toml(config, flags) if config else SimulationConfig.from_mapping(flags)
         load_task(sim.app.task, sim.app.task_args)
-        _check_out_dir(out)
+        check_out_dir(out)
     configure_logging(verbose)
     with config_errors():  # e.g. more clients than the task's data can be split into
         app = sim.app
@@ -189,7 +189,7 @@ def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbo
 
     with config_errors():
         split_sim = load_split_simulation(config, flags)
-        _check_out_dir(out)
+        check_out_dir(out)
     configure_logging(verbose)
     sim, settings = split_sim.sim, split_sim.split
     with config_errors():  # the task's data split, a model that is not a chain, a fleet where nobody fits
@@ -215,12 +215,6 @@ def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbo
     console.print(split_summary_table(history))
     plots = ", ".join(str(out / name) for name in ("accuracy.png", "accuracy_vs_time.png"))
     console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)
-
-
-def _check_out_dir(out: Path) -> None:
-    """Refuse an ``--out`` the run could not write its metrics and plots into, before it starts."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory")
 
 
 def _codec_policy(spec: str, model: Any) -> str:
