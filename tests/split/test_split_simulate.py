@@ -93,26 +93,29 @@ def test_bad_split_config_is_one_line(tmp_path, args, toml, needle):
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
-def _split_run(tmp_path, module: str, task: str):
-    """``fedge simulate --split`` of the task class ``task`` in ``tmp_path / module``."""
-    args = ["simulate", "--split", "--task", f"{tmp_path / module}:{task}", "--out", str(tmp_path / "o")]
-    return CliRunner().invoke(app, args)
+def _refused(tmp_path, source: str, task: str) -> str:
+    """The one-line refusal of ``fedge simulate --split`` for the task class ``task`` defined by ``source``
+    (exit status 2), as printed."""
+    (tmp_path / "task.py").write_text(source)
+    args = ["simulate", "--split", "--task", f"{tmp_path / 'task.py'}:{task}", "--out", str(tmp_path / "o")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    return result.output
 
 
 def test_a_task_with_its_own_training_is_refused_for_split(tmp_path):
-    (tmp_path / "own.py").write_text(
+    source = (
         "from fedge.app.task import DigitsTask\n\n\n"
         "class OwnEvaluate(DigitsTask):\n"
         "    def evaluate(self, model, data):\n"
         "        return {**super().evaluate(model, data), 'f1': 0.5}\n"
     )
-    result = _split_run(tmp_path, "own.py", "OwnEvaluate")
-    assert result.exit_code == 2, result.output
-    assert "has its own evaluate(); split training runs its own cross-entropy" in result.output
+    output = _refused(tmp_path, source, "OwnEvaluate")
+    assert "has its own evaluate(); split training runs its own cross-entropy" in output
 
 
 def test_labels_the_model_cannot_output_are_one_line(tmp_path):
-    (tmp_path / "labels.py").write_text(
+    source = (
         "from fedge.app.task import DigitsTask\n\n\n"
         "class Label99(DigitsTask):\n"
         "    def load_partition(self, partition_id, num_partitions, **split):\n"
@@ -121,13 +124,12 @@ def test_labels_the_model_cannot_output_are_one_line(tmp_path):
         "        labels[0] = 99\n"
         "        return features, labels\n"
     )
-    result = _split_run(tmp_path, "labels.py", "Label99")
-    assert result.exit_code == 2, result.output
-    assert "the labels of client 0 run from 0 to 99; the model has 10 outputs" in result.output
+    output = _refused(tmp_path, source, "Label99")
+    assert "the labels of client 0 run from 0 to 99; the model has 10 outputs" in output
 
 
 def test_a_model_whose_forward_is_not_its_chain_is_refused(tmp_path):
-    (tmp_path / "lying.py").write_text(
+    source = (
         "from torch import nn\n"
         "from fedge.app.task import DigitsTask, DigitsCNN\n\n\n"
         "class Skip(nn.Module):\n"
@@ -144,9 +146,8 @@ def test_a_model_whose_forward_is_not_its_chain_is_refused(tmp_path):
         "    def model(self):\n"
         "        return Skip()\n"
     )
-    result = _split_run(tmp_path, "lying.py", "LyingChain")
-    assert result.exit_code == 2, result.output
-    assert "chain of layers does not run one after the other" in result.output
+    output = _refused(tmp_path, source, "LyingChain")
+    assert "chain of layers does not run one after the other" in output
 
 
 def test_check_chain_measures_a_forward_that_runs_but_differs():
@@ -210,12 +211,11 @@ def test_measuring_training_memory_leaves_the_models_statistics_alone():
 
 
 def test_a_model_too_small_to_split_says_so(tmp_path):
-    (tmp_path / "tiny.py").write_text(
+    source = (
         "from torch import nn\nfrom fedge.app.task import DigitsTask\n\n\n"
         "class OneLayer(DigitsTask):\n"
         "    def model(self):\n"
         "        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n"
     )
-    result = _split_run(tmp_path, "tiny.py", "OneLayer")
-    assert result.exit_code == 2, result.output
-    assert "leaves no natural cut with server-side layers" in result.output  # it used to name split.cuts
+    output = _refused(tmp_path, source, "OneLayer")
+    assert "leaves no natural cut with server-side layers" in output  # it used to name split.cuts
