@@ -25,8 +25,10 @@ import functools
 import io
 import itertools
 import logging
+import math
 import multiprocessing
 import pickle
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +44,7 @@ from fedge.flower.compat import SUPERLINK_NODE_ID, content_proto_size, message_p
 from fedge.flower.grid import RunGrid
 from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.protocol.envelope import wire_size
-from fedge.simulation.workers import Frames, WorkerPool
+from fedge.simulation.workers import CallResult, Frames, WorkerPool
 
 __all__ = ["LocalGrid"]
 
@@ -55,8 +57,8 @@ def _init_worker() -> None:
 
 
 _CONTENT = "content"  # the persistent id that stands for a message's content, pickled apart from it
-_DECODED: Future[tuple[Frames, bytes]] = Future()  # stands for a finished call whose reply is decoded
-_DECODED.set_result(((), b""))
+_DECODED: Future[CallResult] = Future()  # stands for a finished call whose reply is decoded
+_DECODED.set_result(CallResult((), b"", 0.0))
 _OUT_OF_BAND_BYTES = 16 * 1024  # arrays at least this large travel as frames of their own
 _content_keys = itertools.count()  # keys of shared contents, unique in this process
 
@@ -147,11 +149,19 @@ class _MessageUnpickler(pickle.Unpickler):
         return pickle.loads(self._content)
 
 
-def _unpickle(future: Future[tuple[Frames, bytes]]) -> tuple[Message, Context, int]:
-    """A finished call's reply and the node's new Context, with the reply's size on fedge's wire."""
-    frames, context = future.result()
+def _unpickle(future: Future[CallResult]) -> tuple[Message, Context, int, float]:
+    """A finished call's reply and the node's new Context, with the reply's size on fedge's wire and the
+    seconds the call ran."""
+    frames, context, seconds = future.result()
     reply = _loads_reply(frames)
-    return reply, pickle.loads(context), wire_size(reply)
+    return reply, pickle.loads(context), wire_size(reply), seconds
+
+
+def _timed_call(client_app: ClientApp, payload: bytes, context: bytes, content: bytes | None) -> CallResult:
+    """:func:`_call_client` on a thread, timed as a worker process times it."""
+    start = time.perf_counter()
+    frames, new_context = _call_client(client_app, payload, context, content)
+    return CallResult(tuple(frames), new_context, time.perf_counter() - start)
 
 
 class _ThreadPool:
@@ -163,9 +173,9 @@ class _ThreadPool:
 
     def submit(
         self, payload: bytes, context: bytes, shared: tuple[int, bytes] | None = None
-    ) -> Future[tuple[Frames, bytes]]:
+    ) -> Future[CallResult]:
         content = shared[1] if shared is not None else None
-        return self._executor.submit(_call_client, self._client_app, payload, context, content)
+        return self._executor.submit(_timed_call, self._client_app, payload, context, content)
 
     def wait(self, futures: Iterable[Future[Any]], timeout: float | None = None) -> None:
         wait_for_futures(list(futures), timeout)
@@ -224,20 +234,24 @@ class LocalGrid(RunGrid):
             self._pool = WorkerPool(functools.partial(_call_client, client_app), workers, _init_worker)
         else:
             self._pool = _ThreadPool(client_app, workers)
-        self._pending: dict[str, tuple[Message, Future[tuple[Frames, bytes]]]] = {}
+        self._pending: dict[str, tuple[Message, Future[CallResult]]] = {}
         # replies decoded as they arrive (reply, the node's new Context, the reply's wire size), so the end
         # of a round, when every worker waits for the next one, is not spent unpickling its replies
-        self._decoded: dict[str, tuple[Message, Context, int]] = {}
+        self._decoded: dict[str, tuple[Message, Context, int, float]] = {}
+        # seconds of each node's last completed call, by message type: what the next one is expected to take
+        self._call_seconds: dict[tuple[int, str], float] = {}
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
+        messages = list(messages)
+        ids = [""] * len(messages)
         # by id (the object kept, so its id stays unique): the content, its pickle as the calls' shared blob,
         # and its size on Flower's wire; a strategy sends one content to every node it samples
         contents: dict[int, tuple[RecordDict, tuple[int, bytes], int]] = {}
-        for message in messages:
+        for index in self._longest_first(messages):
+            message = messages[index]
             node_id = message.metadata.dst_node_id
             if node_id not in self.contexts:
                 raise ValueError(f"no node {node_id} in this grid")
@@ -256,8 +270,20 @@ class LocalGrid(RunGrid):
             self._pending[message_id] = (message, future)
             if isinstance(self._pool, WorkerPool):  # its futures finish on this thread, inside wait()
                 future.add_done_callback(functools.partial(self._decode, message_id))
-            ids.append(message_id)
+            ids[index] = message_id
         return ids
+
+    def _longest_first(self, messages: list[Message]) -> list[int]:
+        """The indices of ``messages`` in the order their calls start: longest expected first (a node's
+        last call of the same type; a node not yet seen before all), so that a round does not end with one
+        worker still on a long call while the others wait (longest-processing-time-first scheduling).
+        Replies are returned in the order pushed, so the order calls start in changes no result."""
+
+        def expected_seconds(index: int) -> float:
+            metadata = messages[index].metadata
+            return self._call_seconds.get((metadata.dst_node_id, metadata.message_type), math.inf)
+
+        return sorted(range(len(messages)), key=expected_seconds, reverse=True)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         wanted = [i for i in message_ids if i in self._pending]
@@ -286,7 +312,7 @@ class LocalGrid(RunGrid):
         interrupted run does not wait for a round nobody will aggregate)."""
         self._pool.shutdown(cancel=cancel)
 
-    def _decode(self, message_id: str, future: Future[tuple[Frames, bytes]]) -> None:
+    def _decode(self, message_id: str, future: Future[CallResult]) -> None:
         """Unpickle a finished call's reply and Context when it arrives (while other calls still run)."""
         entry = self._pending.get(message_id)
         if entry is None or future.cancelled() or future.exception() is not None:
@@ -295,7 +321,7 @@ class LocalGrid(RunGrid):
         # The future holds the pickled reply: let it go, or a round's replies would be held twice.
         self._pending[message_id] = (entry[0], _DECODED)
 
-    def _reply(self, message: Message, future: Future[tuple[Frames, bytes]]) -> Message:
+    def _reply(self, message: Message, future: Future[CallResult]) -> Message:
         """The reply of a finished call; the node's Context advances only if the call completed."""
         try:
             future.result()
@@ -308,7 +334,8 @@ class LocalGrid(RunGrid):
         # Not decoded yet: calls on threads (a callback there would race this), or the callback failed
         # (it logged why; decoding again raises here).
         decoded = self._decoded.pop(message.metadata.message_id, None)
-        reply, context, size = decoded if decoded is not None else _unpickle(future)
+        reply, context, size, seconds = decoded if decoded is not None else _unpickle(future)
         self.contexts[message.metadata.dst_node_id] = context
+        self._call_seconds[(message.metadata.dst_node_id, message.metadata.message_type)] = seconds
         self._report_wire(reply, size)  # what fedge's MQTT transport sends
         return reply

@@ -40,17 +40,26 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_ready
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NamedTuple
 
 try:
     import fcntl
 except ImportError:  # not POSIX: pipes keep their default size
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["WorkerDied", "WorkerPool"]
+__all__ = ["CallResult", "WorkerDied", "WorkerPool"]
 
 Frames = tuple[bytes, ...]
 """A reply as it arrives: its frames, in the order the call returned them."""
+
+
+class CallResult(NamedTuple):
+    """A finished call: its reply frames, the new context, and the seconds the call ran in its worker."""
+
+    frames: Frames
+    context: bytes
+    seconds: float
+
 
 Call = Callable[[bytes, bytes, bytes | None], tuple[Sequence[Any], bytes]]
 """What a worker runs: message, context and the call's shared blob (or None) in; the reply's frames (any
@@ -66,13 +75,14 @@ _NOTHING = object()  # the shared key of a worker that holds no blob: equal to n
 _DEPTH = 2  # calls a worker holds at once: the one it runs and the next, waiting in its pipe
 _PIPE_BYTES = 1 << 20  # Linux's default cap for an unprivileged pipe (/proc/sys/fs/pipe-max-size)
 _FRAME_OVERHEAD = 64  # bytes of framing per call beyond its frames' lengths (generous)
-_COUNT = struct.Struct("!I")  # a reply: its frame count, then every frame's length (the context's last)
+# a reply: its frame count and the call's seconds, then every frame's length (the context's last)
+_HEAD = struct.Struct("!Id")
 _LENGTH = struct.Struct("!Q")
 
 
 @dataclass
 class _Job:
-    future: Future[tuple[Frames, bytes]]
+    future: Future[CallResult]
     payload: bytes
     context: bytes
     shared: Shared | None
@@ -120,15 +130,13 @@ class WorkerPool:
         weakref.finalize(self, _close_pipes, self._workers)
         self._queue: collections.deque[_Job] = collections.deque()
 
-    def submit(
-        self, payload: bytes, context: bytes, shared: Shared | None = None
-    ) -> Future[tuple[Frames, bytes]]:
+    def submit(self, payload: bytes, context: bytes, shared: Shared | None = None) -> Future[CallResult]:
         """Queue one call; it starts when a worker is free (during :meth:`submit` or :meth:`wait`).
 
         ``shared`` is a ``(key, blob)`` many calls pass: a worker that last received ``key`` is not sent
         the blob again.
         """
-        future: Future[tuple[Frames, bytes]] = Future()
+        future: Future[CallResult] = Future()
         self._queue.append(_Job(future, payload, context, shared))
         self._dispatch()
         return future
@@ -228,11 +236,11 @@ class WorkerPool:
         for conn in wait_for_ready(list(busy), timeout):
             worker = busy[conn]  # type: ignore[index]
             try:
-                reply, context = _read_reply(conn.fileno())
+                result = _read_reply(conn.fileno())
             except (EOFError, OSError, struct.error):
                 self._bury(worker)
                 continue
-            finished.append((worker.jobs.popleft().future, (reply, context)))
+            finished.append((worker.jobs.popleft().future, result))
             if worker.jobs:  # a call cancelled while it waited in the pipe stays cancelled
                 worker.jobs[0].future.set_running_or_notify_cancel()
         self._dispatch()  # before the results: their futures' callbacks may take a while
@@ -323,11 +331,11 @@ def _send(worker: _Worker, job: _Job) -> None:
     worker.calls.send_bytes(job.context)
 
 
-def _write_reply(fd: int, frames: Sequence[Any], context: bytes) -> None:
+def _write_reply(fd: int, frames: Sequence[Any], context: bytes, seconds: float) -> None:
     """A reply as :func:`_read_reply` reads it, in one ``writev`` where the pipe takes it all (one wake-up of
     the reading process per reply rather than one per frame)."""
     parts = [memoryview(frame).cast("B") for frame in (*frames, context)]
-    header = _COUNT.pack(len(frames)) + b"".join(_LENGTH.pack(part.nbytes) for part in parts)
+    header = _HEAD.pack(len(frames), seconds) + b"".join(_LENGTH.pack(part.nbytes) for part in parts)
     pending = [memoryview(header), *(part for part in parts if part.nbytes)]
     while pending:
         written = os.writev(fd, pending)
@@ -337,12 +345,13 @@ def _write_reply(fd: int, frames: Sequence[Any], context: bytes) -> None:
             pending[0] = pending[0][written:]
 
 
-def _read_reply(fd: int) -> tuple[Frames, bytes]:
-    """A worker's reply frames and new context, read from its pipe (see the module docstring)."""
-    (count,) = _COUNT.unpack(_read_exactly(fd, _COUNT.size))
+def _read_reply(fd: int) -> CallResult:
+    """A worker's reply frames, new context and the call's seconds, read from its pipe (see the module
+    docstring)."""
+    count, seconds = _HEAD.unpack(_read_exactly(fd, _HEAD.size))
     lengths = struct.unpack(f"!{count + 1}Q", _read_exactly(fd, _LENGTH.size * (count + 1)))
     parts = [_read_exactly(fd, length) for length in lengths]
-    return tuple(parts[:-1]), parts[-1]
+    return CallResult(tuple(parts[:-1]), parts[-1], seconds)
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -389,8 +398,10 @@ def _serve(
             payload, context = calls.recv_bytes(), calls.recv_bytes()
         except (EOFError, OSError):
             return
+        start = time.perf_counter()
         frames, new_context = call(payload, context, None if kind == _NO_SHARED else held)
+        seconds = time.perf_counter() - start
         try:
-            _write_reply(replies.fileno(), frames, new_context)
+            _write_reply(replies.fileno(), frames, new_context, seconds)
         except OSError:  # the pool closed its end: it no longer wants this reply
             return

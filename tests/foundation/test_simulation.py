@@ -95,6 +95,31 @@ def test_node_context_persists_across_rounds():
     assert [r.metadata.src_node_id for r in replies] == list(grid.get_node_ids())
 
 
+def test_calls_start_longest_first_and_replies_keep_the_push_order():
+    """After a node's first call, its next starts in order of how long its last took (longest first: a
+    round does not end with one worker on a long call while the others wait); replies still come back in
+    the order pushed. One thread runs the calls, so they start exactly in the order the grid chose."""
+    started = []
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        started.append(partition)
+        time.sleep(0.05 * partition)  # the call's work: partition 3 takes longest
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    grid = LocalGrid(app, num_nodes=4, workers=1)
+    try:
+        first = _send_round(grid)
+        second = _send_round(grid)
+    finally:
+        grid.shutdown()
+    assert started == [0, 1, 2, 3, 3, 2, 1, 0]  # the first round knows nothing, so it keeps the push order
+    nodes = list(grid.get_node_ids())
+    assert [r.metadata.src_node_id for r in first] == [r.metadata.src_node_id for r in second] == nodes
+
+
 @pytest.mark.parametrize("processes", [True, False])
 def test_every_call_gets_its_own_copy_of_a_shared_content_and_wire_sizes_are_flowers(processes):
     """One content object goes to every node (as a strategy sends the global model): a client that changes
@@ -210,7 +235,7 @@ def test_replies_are_decoded_as_they_arrive_and_held_once():
         futures = [grid._pending[i][1] for i in ids]
         grid._pool.wait(futures)  # run every call; nothing pulled yet
         assert sorted(grid._decoded) == sorted(ids)
-        assert all(grid._pending[i][1].result() == ((), b"") for i in ids)
+        assert all(grid._pending[i][1].result() == ((), b"", 0.0) for i in ids)
         replies = list(grid.pull_messages(ids))
     finally:
         grid.shutdown()

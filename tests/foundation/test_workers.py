@@ -40,6 +40,13 @@ def test_calls_run_in_worker_processes_and_return_their_results(pool):
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
 
 
+def test_a_result_carries_the_seconds_its_call_ran_in_the_worker(pool):
+    """Measured in the worker, so neither the wait in the queue nor the reading of the reply is in it."""
+    quick, slow = pool.submit(b"m", b""), pool.submit(b"sleep0.3", b"")
+    pool.wait([quick, slow])
+    assert slow.result().seconds >= 0.3 > quick.result().seconds >= 0
+
+
 @pytest.mark.parametrize(("payload", "cause"), [(b"exit", "exit code 7"), (b"kill", "killed by signal 9")])
 def test_a_dying_worker_fails_only_its_own_call_and_is_replaced(pool, payload, cause):
     futures = [pool.submit(p, b"") for p in (b"a", b"b", payload, b"c", b"d", b"e")]
@@ -226,7 +233,7 @@ def test_a_reply_of_many_frames_arrives_whole_and_in_order():
         futures = [pool.submit(shape, b"ctx%d" % i) for i, shape in enumerate(shapes * 3)]
         pool.wait(futures)
         for i, future in enumerate(futures):
-            frames, context = future.result()
+            frames, context, _ = future.result()
             sizes = [int(size) for size in shapes[i % len(shapes)].split(b",")]
             assert [len(frame) for frame in frames] == sizes and context == b"ctx%d" % i
             assert all(frame == bytes([j % 256]) * len(frame) for j, frame in enumerate(frames))
