@@ -372,7 +372,11 @@ class FedBuffStrategy(Strategy):
                 continue  # its version is no longer held: nothing to measure the update against
             try:
                 checked = screen_dense_reply(
-                    reply.content, model=base, weighted_by_key=self.weighted_by_key, measure_norm=False
+                    reply.content,
+                    model=base,
+                    weighted_by_key=self.weighted_by_key,
+                    measure_norm=False,
+                    statistics=statistics({name: str(values.dtype) for name, values in base.items()}),
                 )
             except Rejected as rejection:
                 log.warning(

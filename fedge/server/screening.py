@@ -208,8 +208,11 @@ def screen_dense_reply(
         except Exception as err:  # Flower's Array.numpy raises what numpy raises
             raise Rejected("undecodable", f"tensor {name!r}: {err}") from None
         reference = model[name]
-        # any real numbers: an average of integer buffers (BatchNorm's count) comes back as floats
-        if values.shape != reference.shape or values.dtype.kind not in "biuf":
+        # A float tensor must come back as floats: integers are never checked for NaN nor measured, and a
+        # node sending 2**62 as int64 set the average alone. Statistics and integer buffers may come back
+        # as any real numbers (an averaged batch counter is a float, a client's model returns it as int64).
+        allowed = "biuf" if name in statistics or reference.dtype.kind != "f" else "f"
+        if values.shape != reference.shape or values.dtype.kind not in allowed:
             raise Rejected(
                 "wrong_tensors",
                 f"tensor {name!r} is {values.dtype}{list(values.shape)}, the model's "

@@ -88,6 +88,23 @@ def test_bad_replies_are_rejected_by_reason_and_the_honest_ones_aggregated():
     assert set(strategy.state_dict()[COUNTED_NODES_KEY]) == {1, 2, 3, 4}
 
 
+def test_integers_where_the_model_has_floats_are_wrong_tensors_and_counters_may_be_any_number():
+    """A float tensor sent as integers was never checked nor measured: 2**62 as int64 set the average alone
+    (a hostile node's reply, at the default screen). A counter may come back as an integer or a float."""
+    strategy = _strategy()  # the default screen; the norm test is not needed for this
+    huge = {"w": np.full((2, 3), 2**62, np.int64), "count": np.array(5)}
+    replies = [
+        _honest(1, 1.0),
+        _honest(2, 3.0),
+        _reply(3, huge, {"num-examples": 10.0}),
+        _reply(4, {"w": np.full((2, 3), 2.0, np.float32), "count": np.array(5.0)}, {"num-examples": 10.0}),
+    ]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 2.0))
+    figures = strategy.round_metrics(1)
+    assert figures["accepted"] == 3 and figures["rejected_wrong_tensors"] == 1
+
+
 def test_records_under_other_names_and_a_median_rule_still_aggregate():
     strategy = _strategy(FedMedian(fraction_evaluate=0.0))
     odd = _reply(3, None, None)  # the same model and metrics, under other record names
