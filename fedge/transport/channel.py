@@ -241,6 +241,16 @@ class ReliableChannel:
             self._cond.notify_all()
         return transfer.handle
 
+    def cancel(self, handle: TransferHandle) -> bool:
+        """Stop sending a transfer nobody needs any more (its handle fails with ``cancelled``); whether it
+        was still being sent. The receiver drops the chunks it holds when they expire."""
+        with self._cond:
+            transfer = self._transfers.pop(handle.transfer_id, None)
+            if transfer is not None:
+                transfer.fail("cancelled: the sender no longer needs it")
+                self.sender_stats.cancelled += 1
+        return transfer is not None
+
     def _run_pump(self) -> None:
         while True:
             with self._cond:

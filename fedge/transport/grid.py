@@ -37,7 +37,7 @@ from fedge.protocol.envelope import EnvelopeError, decode_content, is_envelope
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
-from fedge.transport.sender import TransferError
+from fedge.transport.sender import TransferError, TransferHandle
 from fedge.transport.signing import (
     INSTRUCTION_REFUSED,
     InstructionSigner,
@@ -60,6 +60,7 @@ class _Awaited:
     node: str
     server_round: str
     metadata: Metadata  # the instruction's, to answer it with an error reply on the node's behalf
+    transfer: TransferHandle | None = None  # its transfer to the node, cancelled if it goes unanswered
 
 
 class MqttGrid(RunGrid):
@@ -173,12 +174,17 @@ class MqttGrid(RunGrid):
             # Signed per node: the signature binds the recipient and the message id, not just the bytes.
             wire = payload if self._signer is None else self._signer.sign(name, message_id, payload)
             try:
-                self.endpoint.send(name, wire, message_id=message_id, expiry_s=message.metadata.ttl)
+                transfer = self.endpoint.send(
+                    name, wire, message_id=message_id, expiry_s=message.metadata.ttl
+                )
             except (ValueError, TransferError) as err:  # too large, or the channel is closing
                 log.error("instruction for node %s not sent: %s", name, err)
                 with self._cond:
                     del self._awaited[message_id]
                 continue
+            with self._cond:
+                if (awaited := self._awaited.get(message_id)) is not None:
+                    awaited.transfer = transfer
             self._report_wire(message, payload)
             ids.append(message_id)
         return ids
@@ -192,8 +198,7 @@ class MqttGrid(RunGrid):
         recorded as accepted), and one already received but not pulled is discarded."""
         with self._cond:
             for message_id in message_ids:
-                if self._awaited.pop(message_id, None) is not None:
-                    self._finish(message_id)
+                self._give_up(message_id)
                 self._replies.pop(message_id, None)
 
     def send_and_receive(
@@ -208,9 +213,19 @@ class MqttGrid(RunGrid):
                     break
                 self._cond.wait(timeout=remaining if remaining is not None else 1.0)
             for message_id in ids:  # replies that come after this are late: drop them
-                if self._awaited.pop(message_id, None) is not None:
-                    self._finish(message_id)
+                self._give_up(message_id)
         return self.pull_messages(ids)
+
+    def _give_up(self, message_id: str) -> None:
+        """Under the lock: stop awaiting an instruction, and stop sending it if it is still on its way (a
+        node that announces itself but never takes its instructions pinned a model copy per round, for the
+        message's whole lifetime: 12 hours by Flower's default)."""
+        awaited = self._awaited.pop(message_id, None)
+        if awaited is None:
+            return
+        self._finish(message_id)
+        if awaited.transfer is not None and not awaited.transfer.done():
+            self.endpoint.channel.cancel(awaited.transfer)
 
     # -- replies ---------------------------------------------------------------------------------------
 

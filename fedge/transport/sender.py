@@ -37,6 +37,7 @@ class SenderStats:
     probes: int = 0
     delivered: int = 0
     failed: int = 0
+    cancelled: int = 0
     unknown_acks: int = 0
 
 

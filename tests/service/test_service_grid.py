@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
+import paho.mqtt.client as paho
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from paho.mqtt.enums import CallbackAPIVersion
 from service_helpers import reference_agent
 from waiting import wait_until
 
@@ -17,6 +20,7 @@ from fedge.devices import DeviceProfile
 from fedge.flower.compat import message_from_bytes, message_to_bytes, set_task_identity
 from fedge.protocol.fleet import flower_node_id
 from fedge.transport import NodeEndpoint
+from fedge.transport.frames import PresenceFrame, PresenceStatus, encode_presence
 from fedge.transport.grid import MqttGrid
 from fedge.transport.signing import sign
 
@@ -92,10 +96,11 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
             (got,) = grid.pull_messages([instruction_id])
             assert got.metadata.src_node_id == flower_node_id("alice")
 
-            # A round that times out: its reply arrives after the Grid gave up on it.
-            replies = grid.send_and_receive([_instruction(grid, "alice", server_round=2)], timeout=0.5)
-            assert list(replies) == []
+            # A round that gives up on alice after she got its instruction: her reply comes too late.
+            (late_id,) = grid.push_messages([_instruction(grid, "alice", server_round=2)])
             stale = alice.receive(timeout=10)
+            assert stale is not None and stale.message_id == late_id
+            grid.abandon([late_id])
             alice.send(_reply_to(bytes(stale.payload)), message_id="stale").wait(10)
             wait_until(lambda: grid.dropped["late"] == 2, 10)
         finally:
@@ -189,6 +194,29 @@ def test_an_instruction_the_channel_refuses_is_skipped_not_fatal(mqtt, caplog):
         finally:
             node.close()
     assert "not sent" in caplog.text and not grid._awaited
+
+
+def test_an_instruction_nobody_takes_stops_being_sent_when_the_round_gives_up(mqtt, broker):
+    """A node that announces itself and never takes its instructions (a forged presence, a link that
+    swallows everything) pinned a copy of the model per round for the message's lifetime (12 hours by
+    Flower's default; 60 s here): the transfer now ends when the Grid stops awaiting it."""
+    with MqttGrid(mqtt()) as grid:
+        forger = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"forger-{time.monotonic_ns()}")
+        forger.connect("127.0.0.1", broker.port)
+        forger.loop_start()
+        try:
+            online = encode_presence(PresenceFrame(PresenceStatus.ONLINE, time.time_ns() // 1000))
+            forger.publish(grid.endpoint.topics.presence("ghost"), online, qos=1).wait_for_publish(5)
+            assert grid.wait_for_nodes(1, timeout=20)
+            channel = grid.endpoint.channel
+            assert list(grid.send_and_receive([_instruction(grid, "ghost")], timeout=0.5)) == []
+            assert channel.sender_stats.cancelled == 1 and not channel._transfers
+            (instruction_id,) = grid.push_messages([_instruction(grid, "ghost", server_round=2)])
+            grid.abandon([instruction_id])  # as a schedule's deadline gives up on a node
+            assert channel.sender_stats.cancelled == 2 and not channel._transfers
+        finally:
+            forger.loop_stop()
+            forger.disconnect()
 
 
 def test_compressed_replies_travel_in_the_compact_envelope(mqtt, tmp_path):
