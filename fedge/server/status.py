@@ -90,6 +90,7 @@ class StatusWriter:
             "online_nodes": online,
             "profiles": {name: p.to_json() for name, p in sorted(self._grid.profiles.items())},
             "dropped_replies": dict(self._grid.dropped),
+            "dropped_replies_by_node": self._grid.rejections.most_dropped() if self._grid.rejections else {},
             "transport_drops": self._grid.endpoint.drop_counts(),
             **self._export,
             "inference_devices": self._devices() if self._devices else {},

@@ -37,6 +37,7 @@ from fedge.protocol.envelope import EnvelopeError, decode_content, is_envelope
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.config import MqttConfig
 from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
+from fedge.transport.rejections import Rejection, RejectionLog
 from fedge.transport.sender import TransferError, TransferHandle
 from fedge.transport.signing import (
     INSTRUCTION_REFUSED,
@@ -104,6 +105,7 @@ class MqttGrid(RunGrid):
         self._finished: OrderedDict[str, None] = OrderedDict()
         self.profiles: dict[str, DeviceProfile] = {}
         self.dropped: Counter[str] = Counter()
+        self.rejections = RejectionLog()  # the same drops per node, and which of them to log now
         self.refusals: Counter[str] = Counter()
         self.endpoint = CoordinatorEndpoint(config, on_message=self._on_delivery)
 
@@ -116,6 +118,7 @@ class MqttGrid(RunGrid):
 
     def close(self) -> None:
         self.endpoint.close()
+        self._report(self.rejections.flush_all())
 
     def __enter__(self) -> MqttGrid:
         return self.start()
@@ -214,6 +217,7 @@ class MqttGrid(RunGrid):
                 self._cond.wait(timeout=remaining if remaining is not None else 1.0)
             for message_id in ids:  # replies that come after this are late: drop them
                 self._give_up(message_id)
+        self._report(self.rejections.flush(time.monotonic()))
         return self.pull_messages(ids)
 
     def _give_up(self, message_id: str) -> None:
@@ -363,8 +367,31 @@ class MqttGrid(RunGrid):
 
     def _reject(self, node: str, server_round: str, reason: str, detail: str) -> None:
         self.dropped[reason] += 1
-        log.warning("dropped reply from node %s (round %s): %s: %s", node, server_round, reason, detail)
-        self._record("rejected", node, server_round, reason=reason, detail=detail)
+        self._report(self.rejections.drop(node, server_round, reason, detail, time.monotonic()))
+
+    def _report(self, rejections: list[Rejection]) -> None:
+        """Log and audit drops at the rate :class:`RejectionLog` allows (each line says how many it stands
+        for)."""
+        for r in rejections:
+            if r.total == 1:
+                log.warning(
+                    "dropped reply from node %s (round %s): %s: %s",
+                    r.node,
+                    r.server_round,
+                    r.reason,
+                    r.detail,
+                )
+            else:
+                log.warning(
+                    "dropped %d more replies from node %s: %s (%d in all; the latest, round %s: %s)",
+                    r.count,
+                    r.node,
+                    r.reason,
+                    r.total,
+                    r.server_round,
+                    r.detail,
+                )
+            self._record("rejected", r.node, r.server_round, reason=r.reason, detail=r.detail, count=r.count)
 
     def _record(self, event: str, node: str, server_round: str, **fields: Any) -> None:
         if self._audit is not None:

@@ -56,7 +56,9 @@ def test_a_status_file_that_cannot_be_written_warns_once_and_never_stops_the_run
     from fedge.server.status import StatusWriter as _StatusWriter
 
     endpoint = SimpleNamespace(online_nodes=lambda: {"n1"}, drop_counts=dict)
-    grid = SimpleNamespace(endpoint=endpoint, profiles={}, dropped={})  # what the writer reads of the Grid
+    grid = SimpleNamespace(
+        endpoint=endpoint, profiles={}, dropped={}, rejections=None
+    )  # what the writer reads of the Grid
     (tmp_path / "status.json").mkdir()  # a directory where the file belongs
     writer = _StatusWriter(tmp_path / "status.json", grid, rounds=3, resume=None)  # type: ignore[arg-type]
     writer._write()
