@@ -217,7 +217,8 @@ class AvailabilityTrace:
         pairs = [np.asarray(intervals[c], dtype=np.float64).reshape(-1, 2) for c in self.clients]
         rows = np.repeat(np.arange(len(pairs)), [len(p) for p in pairs])
         flat = np.concatenate(pairs) if pairs else np.empty((0, 2))
-        self._starts, self._ends, self._owner = _merge(flat, rows, periods, self._offset)
+        merged = _merge(flat, rows, periods, self._offset)
+        self._starts, self._ends, self._owner, self._local_starts, self._local_ends = merged
         self._first = np.searchsorted(self._owner, np.arange(len(self.clients)))  # client's first interval
         self._count = np.bincount(self._owner, minlength=len(self.clients))
 
@@ -261,11 +262,13 @@ class AvailabilityTrace:
         if not ok[0]:
             return t_s
         i, first, period = rows[0], self._first[rows[0]], self._period[rows[0]]
-        end = self._ends[j[0]] - self._offset[i]
+        # within the client's own loop (the shared line's offset subtracted back is off by a rounding: an
+        # interval ending at a period of 1000.1 s ended at 1000.0999999999999, and its client left each loop)
+        end = self._local_ends[j[0]]
         if end < period:
             return float(base[0] + end)
         # The interval runs to the end of the loop: it continues if the loop starts available.
-        first_start, first_end = self._starts[first] - self._offset[i], self._ends[first] - self._offset[i]
+        first_start, first_end = self._local_starts[first], self._local_ends[first]
         if first_start > 0:
             return float(base[0] + period)
         if first_end >= period:  # available for the whole loop
@@ -283,8 +286,8 @@ class AvailabilityTrace:
             return math.inf
         nxt = j[0] + 1
         if nxt < len(self._starts) and self._owner[nxt] == i:
-            return float(base[0] + self._starts[nxt] - self._offset[i])
-        return float(base[0] + self._period[i] + self._starts[self._first[i]] - self._offset[i])
+            return float(base[0] + self._local_starts[nxt])
+        return float(base[0] + self._period[i] + self._local_starts[self._first[i]])
 
     def remap(self, n_clients: int, *, seed: int = 0) -> AvailabilityTrace:
         """A trace for clients ``0..n_clients-1``, each given a distinct trace client chosen by ``seed``
@@ -295,28 +298,36 @@ class AvailabilityTrace:
         for new, row in enumerate(picks):
             lo = self._first[row]
             sl = slice(lo, lo + self._count[row])
-            off = self._offset[row]
-            intervals[new] = list(zip(self._starts[sl] - off, self._ends[sl] - off, strict=True))
+            intervals[new] = list(zip(self._local_starts[sl], self._local_ends[sl], strict=True))
             periods[new] = float(self._period[row])
         return AvailabilityTrace(intervals, periods)
 
 
 def _merge(
     flat: np.ndarray, rows: np.ndarray, periods: np.ndarray, offsets: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Clip each client's intervals to its period, move them onto the shared line, and merge overlapping or
-    touching ones: sorted starts, ends and owning rows. Vectorised, as FedScale traces hold millions."""
-    lo = np.maximum(flat[:, 0], 0.0)
-    hi = np.minimum(flat[:, 1], periods[rows])
-    keep = hi > lo
+    touching ones: sorted starts, ends and owning rows on the line, and the same starts and ends within
+    each client's own loop (exact, unlike the line's minus the offset). Vectorised, as FedScale traces hold
+    millions."""
+    local_lo = np.maximum(flat[:, 0], 0.0)
+    local_hi = np.minimum(flat[:, 1], periods[rows])
+    keep = local_hi > local_lo
+    local_lo, local_hi, rows = local_lo[keep], local_hi[keep], rows[keep]
     # Clients sit >= 1 s apart on the line, so intervals of different clients never merge.
-    lo, hi, rows = lo[keep] + offsets[rows[keep]], hi[keep] + offsets[rows[keep]], rows[keep]
+    lo, hi = local_lo + offsets[rows], local_hi + offsets[rows]
     order = np.argsort(lo, kind="stable")
-    lo, hi, rows = lo[order], hi[order], rows[order]
+    lo, hi, rows, local_lo, local_hi = lo[order], hi[order], rows[order], local_lo[order], local_hi[order]
     if not len(lo):
-        return lo, hi, rows.astype(np.int64)
+        return lo, hi, rows.astype(np.int64), local_lo, local_hi
     reach = np.maximum.accumulate(hi)
     new = np.ones(len(lo), dtype=bool)
     new[1:] = lo[1:] > reach[:-1]
     heads = np.flatnonzero(new)
-    return lo[heads], np.maximum.reduceat(hi, heads), rows[heads].astype(np.int64)
+    return (
+        lo[heads],
+        np.maximum.reduceat(hi, heads),
+        rows[heads].astype(np.int64),
+        local_lo[heads],
+        np.maximum.reduceat(local_hi, heads),
+    )

@@ -142,3 +142,18 @@ def test_diurnal_trace_follows_the_day():
     assert fractions.max() <= 0.55
     # It loops with a one-day period.
     assert np.array_equal(trace.available(3600.0), trace.available(3600.0 + 86_400))
+
+
+def test_periods_that_are_not_whole_seconds_keep_their_intervals_exact():
+    """An interval that runs to the end of a 1000.1 s loop ended at 1000.0999999999999 for a quarter of the
+    clients (their shared-line offset subtracted back), so always-available clients were cut off each loop."""
+    period = 1000.1
+    always = AvailabilityTrace({c: [(0.0, period)] for c in range(200)}, period)
+    assert all(always.available_until(c, 5.0) == math.inf for c in range(200))
+    wrap = AvailabilityTrace({c: [(0.0, period / 3), (period / 2, period)] for c in range(200)}, period)
+    assert all(
+        wrap.available_until(c, 0.75 * period) == pytest.approx(period + period / 3) for c in range(200)
+    )
+    assert all(wrap.next_available(c, 0.4 * period) == pytest.approx(period / 2) for c in range(200))
+    remapped = wrap.remap(50, seed=1)
+    assert all(remapped.available_until(c, 0.75 * period) == pytest.approx(period * 4 / 3) for c in range(50))
