@@ -55,6 +55,14 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+@app.query("partition")
+def partition(msg: Message, context: Context) -> Message:
+    """This node's ``partition-id``: how a simulation's ServerApp tells which client a node id stands for
+    (Flower's simulation engine draws node ids at random)."""
+    metrics = MetricRecord({"partition-id": int(context.node_config["partition-id"])})
+    return Message(content=RecordDict({"node": metrics}), reply_to=msg)
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on the local partition."""

@@ -261,7 +261,7 @@ class AvailabilityTrace:
         base, _, j, ok = self._locate(rows, t_s)
         if not ok[0]:
             return t_s
-        i, first, period = rows[0], self._first[rows[0]], self._period[rows[0]]
+        first, period = self._first[rows[0]], self._period[rows[0]]
         # within the client's own loop (the shared line's offset subtracted back is off by a rounding: an
         # interval ending at a period of 1000.1 s ended at 1000.0999999999999, and its client left each loop)
         end = self._local_ends[j[0]]

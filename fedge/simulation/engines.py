@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from flwr.app import Context
+from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedge.app.client_app import app as client_app
@@ -102,7 +102,7 @@ def _run_ray(
             deadline = time.monotonic() + 600
             while len(nodes := sorted(grid.get_node_ids())) < config.clients and time.monotonic() < deadline:
                 time.sleep(0.1)
-            grid = clocked_grid(grid, config, task, {node: i for i, node in enumerate(nodes)})
+            grid = clocked_grid(grid, config, task, _partition_ids(grid, nodes))
         histories.append(run_federated(grid, app_config, listeners, num_partitions=config.clients))
 
     cpus = os.cpu_count() or 1
@@ -118,3 +118,18 @@ def _run_ray(
     if not histories:
         raise RuntimeError("Flower's simulation engine ended without running the ServerApp")
     return histories[0]
+
+
+def _partition_ids(grid: Grid, nodes: list[int]) -> dict[int, int]:
+    """Each node's partition id, asked of the node itself: Flower's engine draws node ids at random, so the
+    order of the ids says nothing of which client (profile, availability, data) a node is."""
+    queries = [Message(RecordDict(), node, "query.partition") for node in nodes]
+    replies = list(grid.send_and_receive(queries, timeout=600))
+    answered = {
+        reply.metadata.src_node_id: int(reply.content["node"]["partition-id"])
+        for reply in replies
+        if not reply.has_error()
+    }
+    if sorted(answered) != sorted(nodes) or sorted(answered.values()) != list(range(len(nodes))):
+        raise RuntimeError(f"{len(answered)} of {len(nodes)} nodes told their partition id")
+    return answered

@@ -110,3 +110,17 @@ def test_a_schedule_or_availability_without_a_fleet_is_refused():
     with pytest.raises(ConfigError, match=r"availability needs a \[fleet\]"):
         SimulationConfig(clients=4, availability="random")
     SimulationConfig(clients=4, engine="mqtt", schedule=Schedule(deadline_s=5.0))  # real time over MQTT
+
+
+@pytest.mark.slow
+def test_ray_gives_each_client_the_profile_of_its_own_partition_as_the_local_engine_does():
+    """Flower's engine draws node ids at random: numbering clients by sorted node id paired profiles and
+    availability with arbitrary partitions, so Ray's simulated times differed from the local engine's."""
+    app = AppConfig(rounds=1, local_epochs=1, alpha=0.3)  # unequal partitions: each client's compute differs
+    fleet = FleetConfig(mix={"pi4_wifi": 0.5, "phone_lte": 0.5}, seed=2)
+    timings = {}
+    for engine in ("local", "ray"):
+        history = run_simulation(SimulationConfig(clients=4, workers=2, engine=engine, app=app, fleet=fleet))
+        timings[engine] = sorted((row["client"], row["compute_s"]) for row in history.rounds[0].timeline)
+    assert len({compute for _, compute in timings["local"]}) == 4  # the pairing shows in every figure
+    assert timings["ray"] == timings["local"]
