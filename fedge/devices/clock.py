@@ -257,7 +257,9 @@ def select_replies(
     RoundOutcome
         The round ends at the ``keep``-th accepted arrival; otherwise at the last arrival when every selected
         client replied in time; otherwise at the deadline. Without a deadline it ends at the last accepted
-        arrival: like FedScale, the simulation knows who dropped out (a real server waits for its timeout).
+        arrival: like FedScale, the simulation knows who dropped out (a real server waits for its timeout);
+        with none accepted, when the last cut-off client went away (a round where everyone left took the
+        time they trained for before leaving, not none: the clock stood still and the run repeated it).
         Ties in arrival keep the mapping's order.
     """
     if keep is not None and keep < 1:
@@ -279,8 +281,11 @@ def select_replies(
         end = in_time[-1][0] if in_time else round_start_s
     elif deadline_s is not None:
         end = limit
+    elif accepted:
+        end = accepted[-1][0]
     else:
-        end = accepted[-1][0] if accepted else round_start_s
+        gone = [t.away_s for t in timings.values() if isinstance(t, ClientTiming) and t.cut_off]
+        end = max([round_start_s, *(a for a in gone if math.isfinite(a))])
     late = tuple(c for _, c in arrived[len(accepted) :])  # in_time, hence accepted, is a prefix of arrived
     return RoundOutcome(tuple(c for _, c in accepted), late, tuple(c for _, c in cut), float(end))
 

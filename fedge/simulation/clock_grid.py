@@ -230,6 +230,10 @@ class ClockGrid(RunGrid):
             keep = max(1, math.ceil(len(messages) / self.schedule.over_select))
         outcome = select_replies(timings, round_start_s=start, deadline_s=self._deadline(), keep=keep)
         self.now_s = max(outcome.end_s, start)
+        if not outcome.accepted and self.now_s == start and self._trace is not None and timings:
+            # every client was away when the round began: the coordinator waits until one of them is back
+            back = min(self._trace.next_available(self._client_of[n], start) for n in timings)
+            self.now_s = back if math.isfinite(back) else start
         # What a coordinator sees: the arrivals it waited for; a reply the deadline cut off is known only
         # to take longer than the round did. (Replies after the first M say nothing of the deadline.)
         ended_by_keep = keep is not None and len(outcome.accepted) == keep

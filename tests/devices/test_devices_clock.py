@@ -121,6 +121,14 @@ def test_selection_uses_client_timings():
     assert out.accepted == ("ok",) and out.cut_off == ("gone",) and out.end_s == 100.0
 
 
+def test_a_round_everyone_left_lasts_until_the_last_went_away():
+    """With no deadline it ended at its start: the clock stood still, and the run repeated the round."""
+    early = time_client(CLIENT, start_s=10.0, **ROUND, away_s=11.0)
+    later = time_client(CLIENT, start_s=10.0, **ROUND, away_s=12.5)
+    out = select_replies({"a": early, "b": later}, round_start_s=10.0)
+    assert out.accepted == () and out.cut_off == ("a", "b") and out.end_s == 12.5
+
+
 def test_fedbuff_flushes_and_staleness():
     updates = [
         ("A", 0.0, 1.0), ("B", 0.0, 2.0), ("C", 0.0, 3.0), ("D", 1.5, 4.0),

@@ -70,6 +70,21 @@ def test_an_availability_trace_with_nobody_ever_available_ends_the_run(tmp_path)
         _run(Schedule(availability_aware=True), availability=str(trace), rounds=1)
 
 
+def test_a_round_that_finds_everyone_away_waits_until_they_are_back(tmp_path):
+    """Every client is away for the first 500 s: round 1 trains nothing and ends when the first is back, so
+    round 2 trains (the clock stood still at 0 s, every round found everyone away, and the run failed)."""
+    import pickle
+
+    trace = tmp_path / "late.pkl"  # FedScale's format: active from 500 s on, in a 10,000 s loop
+    late = {"duration": 10_000.0, "active": [500.0], "inactive": [10_000.0], "finish_time": 10_000.0}
+    trace.write_bytes(pickle.dumps({i: dict(late) for i in range(8)}))
+    history = _run(Schedule(), availability=str(trace), rounds=2)
+    first, second = history.rounds
+    assert first.clients_replied == 0 and first.extra["sim_clock_s"] == 500.0
+    assert {row["status"] for row in first.timeline} == {"cut_off"}
+    assert second.extra["accepted"] == second.clients_sampled > 0
+
+
 def test_an_adaptive_deadline_grows_until_the_slow_gateways_are_in():
     """Gateways cut off by the first deadline count at the round's length, so the deadline grows x1.5 a
     round until their replies make it (it used to follow only the replies it let in: the Pis')."""
