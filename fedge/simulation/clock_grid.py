@@ -6,7 +6,9 @@ Ray); what a fleet of phones, boards and gateways would take is *computed*, neve
 downlink, the round's training FLOPs (counted with torch's FLOP counter) over its device's throughput,
 the codec's time, and the reply's real wire bytes over its uplink, with disconnects costing only what the
 resumable transport re-sends. A client whose availability (a trace) ends before its reply arrives is cut
-off and loses its work. The :class:`Schedule` then decides, as a coordinator would, which replies the
+off and loses its work (on the local engine, one cut off before it finished training also keeps the Context
+it had before the call: it never trained; Ray holds its nodes' Contexts itself, so there they move on). The
+:class:`Schedule` then decides, as a coordinator would, which replies the
 round aggregates (a deadline, fixed or adapted from recent rounds; over-selection: the first M of those
 sampled) and when the round ends; late and cut-off replies are dropped, exactly as the MQTT Grid drops
 late replies, so error feedback sees a lost update as one.
@@ -48,6 +50,8 @@ from fedge.server.runner import RunFailed
 from fedge.server.schedule import Schedule
 
 __all__ = ["ClockGrid", "Schedule"]
+
+_BEFORE_TRAINED = ("download", "decode", "compute")  # phases a client cut off in had not finished training
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +177,12 @@ class ClockGrid(RunGrid):
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         messages = list(messages)
+        before = self._contexts_of(messages)
         replies = list(self._inner.send_and_receive(messages, timeout=timeout))
         try:
             if not messages or messages[0].metadata.message_type != MessageType.TRAIN:
                 return replies
-            return self._schedule_round(messages, replies)
+            return self._schedule_round(messages, replies, before)
         finally:
             self._sizes.clear()
 
@@ -196,7 +201,24 @@ class ClockGrid(RunGrid):
 
     # -- the clock -------------------------------------------------------------------------------------
 
-    def _schedule_round(self, messages: list[Message], replies: list[Message]) -> list[Message]:
+    def _contexts_of(self, messages: list[Message]) -> dict[int, Any]:
+        """The Contexts the inner Grid holds for the messages' nodes now (an engine that keeps them, the
+        local one): kept by reference, as its calls return new Context objects rather than change these."""
+        contexts = getattr(self._inner, "contexts", None)
+        if not isinstance(contexts, dict):
+            return {}
+        return {m.metadata.dst_node_id: contexts[m.metadata.dst_node_id] for m in messages}
+
+    def _undo_training(self, node: int, timing: ClientTiming, before: Mapping[int, Any]) -> None:
+        """A client cut off before it finished training never trained: its Context goes back to how it was
+        (with a codec its update was folded into its residual and sent a round later, work the clock had
+        lost). One cut off while encoding or uploading did train, and keeps what that left it."""
+        if timing.cut_off and timing.cut_off_phase in _BEFORE_TRAINED and node in before:
+            self._inner.contexts[node] = before[node]  # type: ignore[attr-defined]
+
+    def _schedule_round(
+        self, messages: list[Message], replies: list[Message], before: Mapping[int, Any]
+    ) -> list[Message]:
         self._round += 1
         start = self.now_s
         by_id = {m.metadata.message_id: m for m in messages}
@@ -243,6 +265,8 @@ class ClockGrid(RunGrid):
         status = {n: "accepted" for n in outcome.accepted}
         status.update({n: "late" for n in outcome.late})
         status.update({n: "cut_off" for n in outcome.cut_off})
+        for node in outcome.cut_off:
+            self._undo_training(node, timings[node], before)
         self._report = _Round(self.now_s - start, [_row(self._client_of[n], self._profiles, t, status[n])
                                                    for n, t in timings.items()])  # fmt: skip
         for reply in failed:
@@ -259,6 +283,7 @@ class ClockGrid(RunGrid):
             begin = self._trace.next_available(client, start) if self._trace is not None else start
             (waiting.append(message) if math.isinf(begin) else starts.setdefault(id(message), begin))
         running = [m for m in messages if id(m) in starts]
+        before = self._contexts_of(running)
         replies = list(self._inner.send_and_receive(running)) if running else []
         by_id = {m.metadata.message_id: m for m in running}
         for reply in replies:
@@ -284,6 +309,7 @@ class ClockGrid(RunGrid):
             )
             row = _row(client, self._profiles, timing, "cut_off" if timing.cut_off else "accepted")
             if timing.cut_off:  # the coordinator learns it when the client goes away; the work is lost
+                self._undo_training(instruction.metadata.dst_node_id, timing, before)
                 reason = f"client {client} went away at {timing.away_s:.1f} s ({timing.cut_off_phase})"
                 self._queue(instruction, _lost(instruction, reason), max(timing.away_s, begin), row)
             else:

@@ -120,6 +120,36 @@ def test_calls_start_longest_first_and_replies_keep_the_push_order():
     assert [r.metadata.src_node_id for r in first] == [r.metadata.src_node_id for r in second] == nodes
 
 
+def test_a_client_cut_off_before_it_trained_keeps_the_context_it_had():
+    """The ClientApp really runs before the clock says the client went away; one that was away before it
+    could train must not keep what the call left (with a codec, an update folded into its residual and
+    sent a round later: work the clock had lost)."""
+    from fedge.devices.fleet import CATALOGUE
+    from fedge.devices.traces import AvailabilityTrace
+    from fedge.simulation.clock_grid import ClockGrid
+
+    grid = LocalGrid(_counting_app(), num_nodes=2, workers=1)
+    nodes = list(grid.get_node_ids())
+    away_first = AvailabilityTrace({0: [(0.0, 1e6)], 1: [(500.0, 1e6)]}, 1e6)  # client 1 comes at 500 s
+    clock = ClockGrid(
+        grid,
+        [CATALOGUE["pi4_wifi"]] * 2,
+        {node: i for i, node in enumerate(nodes)},
+        train_flops=lambda instruction, reply: 1e9,
+        model_bytes=1000,
+        trace=away_first,
+    )
+    set_task_identity(run_id=1)
+    try:
+        train = [Message(RecordDict({"arrays": ArrayRecord()}), node, "train") for node in nodes]
+        (reply,) = clock.send_and_receive(train)
+    finally:
+        grid.shutdown()
+    assert reply.metadata.src_node_id == nodes[0]
+    assert grid.contexts[nodes[0]].state["count"]["calls"] == 1
+    assert "count" not in grid.contexts[nodes[1]].state  # its call ran, and is undone
+
+
 @pytest.mark.parametrize("processes", [True, False])
 def test_every_call_gets_its_own_copy_of_a_shared_content_and_wire_sizes_are_flowers(processes):
     """One content object goes to every node (as a strategy sends the global model): a client that changes
