@@ -376,7 +376,8 @@ class FedBuffStrategy(Strategy):
                     model=base,
                     weighted_by_key=self.weighted_by_key,
                     measure_norm=False,
-                    statistics=statistics({name: str(values.dtype) for name, values in base.items()}),
+                    statistics=self.state.averaged,  # of the model's first dtypes: a later float base says
+                    # nothing of which tensors are integer buffers
                 )
             except Rejected as rejection:
                 log.warning(

@@ -70,6 +70,7 @@ class ScreenedStrategy(Strategy):
         self.screen = screen or ReplyScreen()
         self.weighted_by_key = weighted_by_key
         self._model: dict[str, np.ndarray] = {}
+        self._integers: frozenset[str] = frozenset()  # tensors the model held as integers (see below)
         self._reports: dict[int, tuple[int, Counter[str]]] = {}  # round -> (accepted, rejected by reason)
         self.counted: dict[int, int] = {}  # node -> last round whose update reached the model
 
@@ -91,6 +92,8 @@ class ScreenedStrategy(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's train messages; the model sent is what replies are checked against."""
         self._model = {name: np.array(array_to_numpy(array)) for name, array in arrays.items()}
+        # a tensor the model ever held as integers is an integer buffer, whatever a rule averaged it to
+        self._integers |= {name for name, values in self._model.items() if values.dtype.kind in "biu"}
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -120,7 +123,7 @@ class ScreenedStrategy(Strategy):
     ) -> list[tuple[Message, DenseReply]]:
         """The replies that pass :func:`screen_dense_reply`; the others are rejected (logged, counted)."""
         passed = []
-        stats = statistics({name: str(array.dtype) for name, array in self._model.items()})
+        stats = statistics({name: str(array.dtype) for name, array in self._model.items()}) | self._integers
         for reply in replies:
             try:
                 checked = screen_dense_reply(

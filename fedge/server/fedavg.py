@@ -3,8 +3,11 @@
 Flower's ``aggregate_arrayrecords`` reads every tensor of every reply with ``Array.numpy()``, which parses a
 ``.npy`` header (``ast.literal_eval``) per tensor: for 50 digits-CNN replies, 400 parses and about 0.1 s of
 every round, spent while the workers wait for the next round. :class:`DenseFedAvg` computes the same
-weighted average, term by term in the same order (so the result is bit-identical, which a test checks),
-from arrays read with :func:`fedge.protocol.arrays.array_to_numpy`.
+weighted average, term by term in the same order (so floating tensors are bit-identical, which a test
+checks), from arrays read with :func:`fedge.protocol.arrays.array_to_numpy`. Integer and bool tensors
+(buffers such as BatchNorm's batch counter or a model's position ids) are rounded back to their own dtype:
+Flower's rule returns their average as float64, which a client's ``load_state_dict`` truncates (a constant
+buffer ``[7, 100]`` came back as ``[6, 99]``), and screening then saw floats where the model has integers.
 """
 
 from __future__ import annotations
@@ -47,14 +50,19 @@ def weighted_average(contents: list[RecordDict], weight_key: str) -> ArrayRecord
     weights = [float(_first(c, MetricRecord)[weight_key]) for c in contents]  # type: ignore[arg-type]
     total = sum(weights)
     summed: dict[str, np.ndarray] = {}
+    integers: dict[str, np.dtype] = {}  # integer or bool tensors (of the first reply): rounded back
     for content, weight in zip(contents, [w / total for w in weights], strict=True):
         for record in (r for r in content.values() if isinstance(r, ArrayRecord)):
             for name, array in record.items():
                 values = array_to_numpy(array)
                 if name not in summed:
                     summed[name] = values * weight
+                    if values.dtype.kind in "biu":
+                        integers[name] = values.dtype
                 else:
                     summed[name] += values * weight
+    for name, dtype in integers.items():
+        summed[name] = np.rint(summed[name]).astype(dtype)
     return arrays_to_record(summed)
 
 

@@ -159,3 +159,22 @@ def test_records_under_each_others_names_do_not_fail_the_round():
     )
     arrays, _ = strategy.aggregate_train(1, [_honest(1, 1.0), swapped])
     np.testing.assert_allclose(arrays["w"].numpy(), np.full((2, 3), 2.0))
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "median"])  # FedMedian still averages them to float64
+def test_a_model_with_integer_buffers_of_any_name_trains_every_round(tmp_path, strategy):
+    """An integer buffer not named like a statistic (position ids, a mask): averaged to float64, it made
+    screening reject every client's int64 copy from round 2 on (library sweep); it now stays an integer."""
+    (tmp_path / "ids.py").write_text(
+        "import torch\n"
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class WithIds(DigitsTask):\n"
+        "    def model(self):\n"
+        "        model = super().model()\n"
+        "        model.register_buffer('position_ids', torch.arange(8))\n"
+        "        model.register_buffer('mask', torch.tensor([True, False]))\n"
+        "        return model\n"
+    )
+    app = AppConfig(rounds=3, local_epochs=1, strategy=strategy, task=f"{tmp_path / 'ids.py'}:WithIds")
+    history = run_simulation(SimulationConfig(clients=3, app=app))
+    assert [r.extra["accepted"] for r in history.rounds] == [3, 3, 3]

@@ -91,8 +91,28 @@ def test_weighted_average_is_bit_identical_to_flowers():
         aggregate_arrayrecords(contents, "num-examples"),
     )
     assert list(ours) == list(flowers)
-    for name in flowers:
+    for name in ("w", "b"):
         assert ours[name].data == flowers[name].data, name
+    # the counter stays an integer, rounded (Flower's float64 average is truncated by a client's load)
+    assert ours["count"].numpy().dtype == np.int64
+    assert ours["count"].numpy() == np.rint(flowers["count"].numpy())
+
+
+def test_integer_buffers_keep_their_dtype_and_their_value():
+    """Three clients with the same buffer [7, 100]: the average must be [7, 100], not 6.999... truncated."""
+    buffer = np.array([7, 100], np.int64)
+    contents = [
+        RecordDict(
+            {
+                "arrays": ArrayRecord({"ids": Array(buffer), "mask": Array(np.array([True, False]))}),
+                "metrics": MetricRecord({"num-examples": 1.0}),
+            }
+        )
+        for _ in range(3)
+    ]
+    averaged = weighted_average(contents, "num-examples")
+    assert averaged["ids"].numpy().tolist() == [7, 100] and averaged["ids"].numpy().dtype == np.int64
+    assert averaged["mask"].numpy().tolist() == [True, False]
 
 
 def test_dense_fedavg_screens_replies_like_flower():
