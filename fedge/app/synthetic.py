@@ -121,6 +121,8 @@ class SyntheticTask(Task):
         Size of the balanced held-out test set.
     """
 
+    reuse_model = True  # train and evaluate leave nothing on the module but its weights
+
     def __init__(
         self, examples_per_client: int = 128, hidden: int = 64, test_examples: int = TEST_EXAMPLES
     ) -> None:

@@ -108,14 +108,15 @@ class Task(ABC):
     meant to be exported returns None from :meth:`export_inputs`: nothing is exported and the log says so.
     """
 
-    reuse_model: bool = True
+    reuse_model: bool = False
     """Whether a client process may build :meth:`model` once and load each call's weights into it.
 
     Building a model costs more than loading weights into one (0.5-0.9 ms against 0.1 ms for the digits
     CNN, on every ClientApp call). A reused model gets every entry of its ``state_dict`` replaced (strictly)
-    on each call, so nothing of an earlier call's weights survives; a model whose behaviour depends on state
-    outside its ``state_dict`` (non-persistent buffers it changes, attributes set in training) sets this
-    to False and gets a fresh model every call."""
+    and its gradients cleared on each call, so nothing of an earlier call's weights survives; but whatever
+    else a call leaves on the module (hooks, ``requires_grad`` changes, pruning, its mode, attributes,
+    non-persistent buffers) would reach the next call, of another client. So it is off unless a task says
+    its :meth:`train` and :meth:`evaluate` leave nothing of the kind (fedge's own tasks do)."""
 
     @abstractmethod
     def model(self) -> nn.Module:
@@ -258,7 +259,7 @@ class PreparedTask:
     def client_model(self) -> nn.Module:
         """A model for a client call to load its weights into: this thread's, built once and reused when
         the task allows it (:attr:`Task.reuse_model`), else a fresh one."""
-        if not self.task.reuse_model:
+        if not _may_reuse(self.task):
             return self.task.model()
         model = getattr(self._models, "model", None)
         if model is None:
@@ -285,6 +286,15 @@ class PreparedTask:
         return checked_data(
             self.task.test_set(self.num_partitions, alpha=self.alpha, seed=self.seed), "test_set()"
         )
+
+
+def _may_reuse(task: Task) -> bool:
+    """Whether ``task`` said its model may be reused (:attr:`Task.reuse_model`), for the ``model``,
+    ``train`` and ``evaluate`` it has: a subclass that overrides one of them has not said it of its own."""
+    cls = type(task)
+    owner = next(c for c in cls.__mro__ if "reuse_model" in vars(c))
+    methods = ("model", "train", "evaluate")
+    return bool(owner.reuse_model) and all(getattr(cls, name) is getattr(owner, name) for name in methods)
 
 
 def prepare_task(path: str, args_json: str, num_partitions: int, *, alpha: float, seed: int) -> PreparedTask:
@@ -341,6 +351,8 @@ class DigitsTask(Task):
     The test split (20%, stratified, fixed seed) never changes with the run's seed, so accuracies of
     different runs are comparable.
     """
+
+    reuse_model = True  # train and evaluate leave nothing on the module but its weights
 
     def model(self) -> nn.Module:
         return DigitsCNN()

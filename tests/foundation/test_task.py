@@ -125,3 +125,20 @@ def test_a_task_that_opts_out_of_reuse_gets_a_fresh_model_each_call():
 
     prepared = PreparedTask(Stateful(), 4, alpha=0.5, seed=0)
     assert prepared.client_model() is not prepared.client_model()
+
+
+def test_a_task_gets_a_fresh_model_each_call_unless_it_said_its_own_methods_allow_reuse():
+    """Reuse carried hooks and requires_grad changes from one client's train to the next (library sweep):
+    a task must say it leaves nothing on the module, and a subclass that overrides train has not said so."""
+
+    class Hooked(DigitsTask):
+        def train(self, model, data, config):
+            model.register_forward_hook(lambda module, inputs, output: output * 0)
+            return super().train(model, data, config)
+
+    class Declared(Hooked):
+        reuse_model = True  # its author vouches for its train
+
+    for task, reused in [(Hooked(), False), (Declared(), True), (DigitsTask(), True)]:
+        prepared = PreparedTask(task, 4, alpha=0.5, seed=0)
+        assert (prepared.client_model() is prepared.client_model()) is reused, type(task).__name__
