@@ -18,6 +18,7 @@ from torch import nn
 from fedge.app.attacks import AttackMod, flip_labels, is_attacker
 from fedge.app.backdoor import plant, trigger_values
 from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
+from fedge.app.task_checks import checked_evaluation
 from fedge.app.weights import load_record, state_record
 from fedge.client.compression_mod import CompressionMod
 
@@ -65,11 +66,25 @@ def partition(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Evaluate the received model on the local partition."""
+    """Evaluate the received model on the local partition; reply with the task's numbers and, unless it
+    gave one, ``num-examples`` (the partition's size), which Flower's strategies weigh evaluations by."""
     task = _task(msg.content["config"], context)
     model = _received_model(task, msg)
-    metrics = task.task.evaluate(model, task.partition(int(context.node_config["partition-id"])))
+    data = task.partition(int(context.node_config["partition-id"]))
+    result = checked_evaluation(task.task.evaluate(model, data), str(msg.content["config"]["task"]))
+    metrics = {key: number for key, value in result.items() if (number := _number(value)) is not None}
+    metrics.setdefault("num-examples", float(len(data[1])))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def _number(value: Any) -> float | None:
+    """A task's figure as a float (a Python or numpy number, a 0-d tensor or array), or None if it is not a
+    number (a MetricRecord holds numbers only; the central evaluation warns about such figures)."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def local_seed(seed: int, partition_id: int, server_round: int) -> int:

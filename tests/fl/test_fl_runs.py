@@ -308,3 +308,40 @@ def test_evaluate_messages_carry_the_compressed_broadcast_and_train_then_needs_n
     history = run(grid, strategy, rounds=3, listener=check)
     assert history.rounds[-1].accuracy > history.initial_accuracy + 0.2
     assert all(r.clients_replied == 4 for r in history.rounds)
+
+
+def test_federated_evaluation_works_for_a_task_that_returns_only_what_the_docs_ask(tmp_path):
+    """Flower's FedAvg evaluates on the clients by default and weighs by ``num-examples``: a task's evaluate
+    that returns accuracy and loss (here as 0-d tensors, which the docs allow) crashed the run with Flower's
+    InconsistentMessageReplies, or failed every evaluate call (library sweep)."""
+    from fedge.app.config import AppConfig
+    from fedge.app.server_app import run_federated
+    from fedge.flower.compat import set_task_identity
+
+    (tmp_path / "bare.py").write_text(
+        "import torch\n"
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Bare(DigitsTask):\n"
+        "    def evaluate(self, model, data):\n"
+        "        result = super().evaluate(model, data)\n"
+        "        return {k: torch.tensor(result[k]) for k in ('accuracy', 'loss')}\n"
+    )
+    grid = LocalGrid(reference_app([]), 3)
+    set_task_identity(run_id=1)
+    config = AppConfig(rounds=2, local_epochs=1, min_nodes=3, task=f"{tmp_path / 'bare.py'}:Bare")
+    evaluated = []
+
+    class Evaluating(FedAvg):
+        def aggregate_evaluate(self, server_round, replies):
+            replies = list(replies)
+            evaluated.append(
+                sorted(r.content["metrics"]["num-examples"] for r in replies if not r.has_error())
+            )
+            return super().aggregate_evaluate(server_round, replies)
+
+    try:
+        history = run_federated(grid, config, [], strategy=Evaluating(min_available_nodes=3))
+    finally:
+        grid.shutdown()
+    assert len(history.rounds) == 2 and len(evaluated) == 2
+    assert all(len(sizes) == 3 and all(size > 0 for size in sizes) for sizes in evaluated)
