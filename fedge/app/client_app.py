@@ -44,6 +44,8 @@ def train(msg: Message, context: Context) -> Message:
         learning_rate=float(config["learning-rate"]),
         batch_size=int(config["batch-size"]),
         seed=local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0))),
+        proximal_mu=float(config.get("proximal-mu", 0.0)),
+        options=dict(config),
     )
     features, labels = task.partition(partition_id)
     if is_attacker(config, context.node_config, "label-flip"):  # simulated data poisoning

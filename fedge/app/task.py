@@ -72,6 +72,13 @@ class TrainConfig:
         SGD momentum; the optimizer is created afresh each call, so momentum does not cross rounds.
     seed : int (default: 0)
         Seeds the shuffling, so the same seed gives the same update.
+    proximal_mu : float (default: 0.0)
+        FedProx's ``μ`` (Flower's ``FedProx`` sends it as ``proximal-mu``): the default :meth:`Task.train`
+        adds ``μ/2 · ‖w − w_global‖²`` to every batch's loss, ``w_global`` being the weights the call began
+        with, which keeps a client's model near the global one on skewed data.
+    options : mapping of str to value (default: empty)
+        The instruction's other config values (a custom strategy's settings, ``server-round``, ...), for a
+        task's own ``train``.
     """
 
     epochs: int = 1
@@ -79,6 +86,8 @@ class TrainConfig:
     batch_size: int = 32
     momentum: float = 0.9
     seed: int = 0
+    proximal_mu: float = 0.0
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class TaskLoadError(ValueError):
@@ -163,6 +172,7 @@ class Task(ABC):
         optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum)
         loss_fn = nn.CrossEntropyLoss()
         model.train()
+        anchor = [p.detach().clone() for p in model.parameters()] if config.proximal_mu > 0 else []
         total, seen = 0.0, 0
         for _ in range(config.epochs):
             order = torch.randperm(len(labels), generator=generator)
@@ -170,9 +180,12 @@ class Task(ABC):
                 batch = order[start : start + config.batch_size]
                 optimizer.zero_grad()
                 loss = loss_fn(forward(model, rows(features, batch)), labels[batch])
+                total += loss.item() * len(batch)
+                if anchor:  # FedProx: the proximal term, outside the reported loss
+                    drift = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))
+                    loss = loss + config.proximal_mu / 2 * drift
                 loss.backward()
                 optimizer.step()
-                total += loss.item() * len(batch)
                 seen += len(batch)
         return {"train_loss": total / max(seen, 1), "num-examples": float(len(labels))}
 

@@ -142,3 +142,46 @@ def test_a_task_gets_a_fresh_model_each_call_unless_it_said_its_own_methods_allo
     for task, reused in [(Hooked(), False), (Declared(), True), (DigitsTask(), True)]:
         prepared = PreparedTask(task, 4, alpha=0.5, seed=0)
         assert (prepared.client_model() is prepared.client_model()) is reused, type(task).__name__
+
+
+def test_fedprox_mu_keeps_the_local_model_near_the_global_one():
+    """Flower's FedProx sends proximal-mu; the default train ignored it, so FedProx was FedAvg (library
+    sweep). With a large mu the update is far smaller than without."""
+    prepared = PreparedTask(DigitsTask(), 4, alpha=0.5, seed=0)
+    torch.manual_seed(0)
+    start = DigitsTask().model().state_dict()
+    norms = {}
+    for mu in (0.0, 10.0):
+        model = DigitsTask().model()
+        model.load_state_dict(start)
+        DigitsTask().train(model, prepared.partition(0), TrainConfig(epochs=1, seed=3, proximal_mu=mu))
+        norms[mu] = sum(float(((model.state_dict()[k] - start[k]).float() ** 2).sum()) for k in start) ** 0.5
+    assert norms[10.0] < 0.5 * norms[0.0]
+
+
+def test_the_reference_client_hands_fedprox_mu_and_the_instructions_config_to_train(tmp_path):
+    from flwr.serverapp.strategy import FedProx
+
+    from fedge.app.config import AppConfig
+    from fedge.app.server_app import run_federated
+    from fedge.flower.compat import set_task_identity
+    from fedge.simulation.local_grid import LocalGrid
+
+    (tmp_path / "seen.py").write_text(
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Seen(DigitsTask):\n"
+        "    def train(self, model, data, config):\n"
+        "        round_ = float(config.options['server-round'])\n"
+        "        return {**super().train(model, data, config), 'mu': config.proximal_mu, 'round': round_}\n"
+    )
+    from fedge.app.client_app import app
+
+    grid = LocalGrid(app, 2)
+    set_task_identity(run_id=1)
+    config = AppConfig(rounds=1, local_epochs=1, min_nodes=2, task=f"{tmp_path / 'seen.py'}:Seen")
+    try:
+        strategy = FedProx(proximal_mu=0.25, fraction_evaluate=0.0, min_available_nodes=2)
+        (only,) = run_federated(grid, config, [], strategy=strategy).rounds
+    finally:
+        grid.shutdown()
+    assert only.extra["train_mu"] == 0.25 and only.extra["train_round"] == 1.0
