@@ -135,7 +135,11 @@ def select_variant(
     max_drop_pp: float = 1.0,
     min_gain: float = 0.05,
 ) -> Selection:
-    """The variant to serve at ``batch``: fastest within the accuracy bound; fp32 unless beaten clearly."""
+    """The variant to serve at ``batch``: fastest within the accuracy bound; fp32 unless beaten clearly.
+
+    A variant is within the bound only when both its accuracy and fp32's are known: one exported without
+    labelled data (a regressor's variants from :func:`export_variants` with no accuracy, say) is never
+    served, however fast, since nothing says its outputs are close to fp32's."""
     by_name = {m.variant: m for m in measurements}
     if "fp32" not in by_name:
         raise ValueError("the fp32 variant must be measured: it is the reference and the fallback")
@@ -146,9 +150,9 @@ def select_variant(
         if m is fp32:
             continue
         p50 = m.latency_ms[batch][0]
-        if fp32.accuracy is not None and (
-            m.accuracy is None or 100 * (fp32.accuracy - m.accuracy) > max_drop_pp
-        ):
+        if fp32.accuracy is None or m.accuracy is None:  # nothing says it is within the bound
+            notes.append(f"{m.variant}: no accuracy measured for it and fp32, so none to bound")
+        elif 100 * (fp32.accuracy - m.accuracy) > max_drop_pp:
             notes.append(f"{m.variant} outside the {max_drop_pp:g} pp accuracy bound")
         elif p50 > fp32.latency_ms[batch][0] * (1 - min_gain):
             notes.append(

@@ -40,6 +40,14 @@ def test_a_tie_keeps_fp32():
     assert select_variant([_m("fp32", 1.0, 0.95), _m("int8-static", 0.98, 0.95)], 1).variant == "fp32"
 
 
+@pytest.mark.parametrize(("fp32_accuracy", "int8_accuracy"), [(None, None), (None, 0.9), (0.9, None)])
+def test_a_variant_whose_accuracy_cannot_be_bounded_is_never_served(fp32_accuracy, int8_accuracy):
+    """A regressor's variants exported without labelled data carry no accuracy: an int8 variant 5.1 off
+    fp32's outputs was served because it was faster (inference sweep)."""
+    chosen = select_variant([_m("fp32", 1.0, fp32_accuracy), _m("int8-static", 0.2, int8_accuracy)], 1)
+    assert chosen.variant == "fp32" and "no accuracy measured" in chosen.reason
+
+
 def test_fp32_is_required():
     with pytest.raises(ValueError, match="fp32"):
         select_variant([_m("int8-static", 0.5, 0.9)], 1)
