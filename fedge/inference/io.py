@@ -86,16 +86,25 @@ def fit_to_shape(rows: np.ndarray, shape: list[int | str | None]) -> np.ndarray:
     """Reshape flat rows (a CSV's) to the model's input shape, batch axis first.
 
     A CSV row of 64 values feeds a ``(batch, 1, 8, 8)`` input; a row whose size does not match is an
-    :class:`InputError` naming both sizes.
+    :class:`InputError` naming both sizes. Only flat rows are reshaped: rows that already have a shape must
+    have the model's (a channels-last ``(32, 2)`` row for a ``(2, 32)`` input was reshaped, and its values
+    scrambled, where it must be refused).
     """
     fixed = [d for d in shape[1:]]
     if any(not isinstance(d, int) for d in fixed):
         return rows  # dynamic non-batch axes: feed as given
+    if list(rows.shape[1:]) == fixed:
+        return rows
     want = int(np.prod(fixed)) if fixed else 1
     per_row = int(np.prod(rows.shape[1:])) if rows.ndim > 1 else 1
     if per_row != want:
         raise InputError(
             f"each input row has {per_row} values but the model takes {want} (shape {shape[1:]})"
+        )
+    if rows.ndim > 2:
+        raise InputError(
+            f"each input row has shape {list(rows.shape[1:])} but the model takes {fixed}: give rows of "
+            f"that shape, or flat rows of {want} values"
         )
     return rows.reshape(len(rows), *fixed)
 

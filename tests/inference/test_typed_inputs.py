@@ -512,3 +512,16 @@ def test_a_task_of_two_inputs_needs_no_code_beyond_its_data(keyword, tmp_path):
     names = ["tokens", "mask"] if keyword else ["input", "input_1"]
     assert [spec["name"] for spec in manifest["inputs"]] == names
     assert manifest["accuracy"] == pytest.approx(rows[-1]["accuracy"], abs=1e-9)  # ORT on both inputs
+
+
+def test_only_flat_rows_are_reshaped_to_the_models_input():
+    """A channels-last (32, 2) row for a (2, 32) input was reshaped and its values scrambled (exit 0;
+    inference sweep): rows with a shape must have the model's."""
+    from fedge.inference.io import fit_to_shape
+
+    shape = ["batch", 2, 32]
+    flat = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
+    assert fit_to_shape(flat, shape).shape == (3, 2, 32)  # a CSV's rows
+    assert fit_to_shape(flat.reshape(3, 2, 32), shape).shape == (3, 2, 32)
+    with pytest.raises(InputError, match=r"shape \[32, 2\] but the model takes \[2, 32\]"):
+        fit_to_shape(flat.reshape(3, 32, 2), shape)
