@@ -36,7 +36,7 @@ def predict(
         False,
         "--raw",
         help="Report the model's outputs as they are, not classes (automatic for outputs "
-        "that are not (rows, classes): a regressor's, a dense map).",
+        "that are not (rows, classes), and for a model whose manifest says its outputs are values).",
     ),
 ) -> None:
     """Print the predicted class of every input row (or its outputs), the model version and p50/p95/p99
@@ -94,7 +94,9 @@ def predict(
     broken = int((~np.isfinite(outputs.reshape(len(outputs), -1))).any(axis=1).sum()) if outputs.size else 0
     if broken:  # NaN in, NaN out: argmax would call every such row class 0
         typer.echo(f"warning: {broken} of {len(outputs)} rows have NaN or infinite outputs", err=True)
-    classify = not raw and is_class_scores(outputs)
+    manifest = server.current.manifest
+    values = manifest is not None and manifest.extra.get("outputs") == "values"  # a regressor's, say
+    classify = not raw and not values and is_class_scores(outputs)
     predictions = outputs.argmax(axis=1) if classify else outputs
     if out is not None and out.suffix == ".npz":
         np.savez(out, **named)

@@ -348,14 +348,15 @@ class ModelExporter:
                 names=FILE_NAMES,
                 config=self.config.export,
             )
+            # what the (first) output holds, for a reader that would otherwise take any two columns for class
+            # scores: a classifier's labels are class numbers, a regressor's are values
+            kind = {} if labelled is None else {"outputs": _output_kind(labelled[1])}
             for variant, (path, manifest) in results.items():
                 measured = manifest.accuracy
                 if measured is None and variant == "fp32":
                     measured = accuracy  # no labelled data: the central evaluation of this very model
-                write_manifest(
-                    path,
-                    manifest.with_(accuracy=measured, extra={**manifest.extra, "round_accuracy": accuracy}),
-                )
+                extra = {**manifest.extra, "round_accuracy": accuracy, **kind}
+                write_manifest(path, manifest.with_(accuracy=measured, extra=extra))
             fsync_dir(building)
             final = self.models_dir / version
             if final.exists():  # a new run in an old directory: its version replaces the old run's
@@ -410,3 +411,8 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
         text = f"{type(err).__name__}: {text}" if text else type(err).__name__
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _output_kind(labels: Any) -> str:
+    """``classes`` for a task whose labels are class numbers, ``values`` for one whose labels are not."""
+    return "classes" if _numpy(labels).dtype.kind in "iub" else "values"

@@ -157,6 +157,33 @@ def test_a_regressor_gets_its_values_not_class_zero(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "y.npy"), expected, atol=1e-5)
 
 
+def test_a_regressor_of_two_targets_whose_manifest_says_values_gets_them(tmp_path):
+    """Two columns read as class scores: a regressor of two targets was printed as classes (inference
+    sweep). The coordinator's manifest says what the outputs are (``extra.outputs``, from the labels)."""
+    import torch
+
+    from fedge.inference.manifest import write_manifest
+    from fedge.server.export import export_onnx
+    from fedge.server.model_export import _output_kind
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2).eval()
+    rows = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+    path = tmp_path / "reg2.onnx"
+    manifest = export_onnx(model, rows[:2], path)
+    assert (_output_kind(np.zeros((3, 2), np.float32)), _output_kind(np.arange(3))) == ("values", "classes")
+    write_manifest(path, manifest.with_(extra={**manifest.extra, "outputs": "values"}))
+    np.save(tmp_path / "x.npy", rows)
+    result = runner.invoke(
+        app, ["predict", "--model", str(path), "--input", str(tmp_path / "x.npy"), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        np.testing.assert_allclose(report["outputs"], model(torch.from_numpy(rows)).numpy(), atol=1e-5)
+    assert "predictions" not in report
+
+
 def test_raw_gives_a_classifiers_scores(variants, digits_test, tmp_path):
     np.save(tmp_path / "x.npy", digits_test[0][:3])
     args = ["predict", "--model", str(variants["fp32"][0]), "--input", str(tmp_path / "x.npy"), "--raw"]
