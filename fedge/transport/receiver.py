@@ -290,7 +290,7 @@ class Reassembler:
             return None, self._reject(stream, frame, RejectReason.TOO_LARGE)
         # Transient limits: drop without answering; the sender probes later and tries again.
         self._drop_own_stalled(stream, reserved, now_s)
-        reason = self._admit(stream, reserved)
+        reason = self._admit(stream, reserved, now_s)
         if reason is not None:
             self.stats.drop(stream, reason)
             return None, None
@@ -338,7 +338,7 @@ class Reassembler:
             self.stats.drop(stream, "evicted-stalled")
             sender = self._senders.get(stream)
 
-    def _admit(self, stream: str, reserved: int) -> str | None:
+    def _admit(self, stream: str, reserved: int, now_s: float) -> str | None:
         """Make room for a new transfer of ``stream``; return why it cannot have any, or None."""
         settings = self.settings
         mine = self._senders.get(stream) or _Sender()
@@ -347,7 +347,9 @@ class Reassembler:
         if mine.reserved + reserved > settings.max_buffered_bytes_per_sender:
             return "budget-bytes"
         senders = len(self._senders) + (stream not in self._senders)
-        count_share = settings.max_partial_transfers / senders
+        # A sender with nothing open is always within its share: with more senders than transfers the share
+        # fell below one, and 256 senders holding one stalled transfer each locked every newcomer out.
+        count_share = max(1.0, settings.max_partial_transfers / senders)
         byte_share = settings.max_buffered_bytes / senders
         short_of_partials = len(self._partials) + 1 > settings.max_partial_transfers
         short_of_memory = self._reserved + reserved > settings.max_buffered_bytes
@@ -356,23 +358,37 @@ class Reassembler:
             return "partials"
         if short_of_memory and mine.reserved + reserved > byte_share:
             return "memory"
-        # Everyone else at or below the share leaves room for one within it, so these loops end with room.
+        # Senders above their share give way first; then (the share being at least one) any transfer that
+        # stalled; failing both, the newcomer waits.
         while len(self._partials) + 1 > settings.max_partial_transfers:
-            self._evict(lambda s: len(s.partials), count_share)
+            if not self._evict(lambda s: len(s.partials), count_share, now_s):
+                return "partials"
         while self._reserved + reserved > settings.max_buffered_bytes:
-            self._evict(lambda s: s.reserved, byte_share)
+            if not self._evict(lambda s: s.reserved, byte_share, now_s):
+                return "memory"
         return None
 
-    def _evict(self, usage: Callable[[_Sender], float], share: float) -> None:
-        """Drop the most stalled partial of the sender furthest above ``share`` (by ``usage``)."""
-        stream, sender = max(
-            ((s, sender) for s, sender in self._senders.items() if usage(sender) > share),
-            key=lambda item: usage(item[1]),
-        )
-        transfer_id, _ = min(sender.partials.items(), key=lambda item: item[1].last_progress_s)
+    def _evict(self, usage: Callable[[_Sender], float], share: float, now_s: float) -> bool:
+        """Drop the most stalled partial of the sender furthest above ``share`` (by ``usage``), or else the
+        most stalled partial of anyone that made no progress for four ack timeouts; whether one went."""
+        above = [
+            (s, sender) for s, sender in self._senders.items() if usage(sender) > share and sender.partials
+        ]
+        if above:
+            stream, sender = max(above, key=lambda item: usage(item[1]))
+            transfer_id, _ = min(sender.partials.items(), key=lambda item: item[1].last_progress_s)
+        elif self._partials:
+            (stream, transfer_id), stalled = min(
+                self._partials.items(), key=lambda item: item[1].last_progress_s
+            )
+            if now_s - stalled.last_progress_s < _STALLED_ACK_TIMEOUTS * self.settings.ack_timeout_s:
+                return False
+        else:
+            return False
         self._drop((stream, transfer_id))
         self.stats.evicted += 1
         self.stats.drop(stream, "evicted")
+        return True
         logger.debug("evicted a partial message of %s to make room for a sender within its share", stream)
 
     # ----------------------------------------------------------------------------------------- completion

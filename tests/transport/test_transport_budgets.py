@@ -157,6 +157,23 @@ def test_fair_share_of_the_transfer_count() -> None:
     assert receiver.stats.by_stream[EVIL]["evicted"] == 2
 
 
+def test_more_senders_than_transfers_cannot_lock_a_newcomer_out_for_long() -> None:
+    """256 senders with one stalled transfer each (the global cap) put the fair share below one: an honest
+    sender with none open was refused until their partials expired, an hour later (hostile sweep). A
+    stalled transfer now yields to it after four ack timeouts; a transfer still moving does not."""
+    settings_ = TransferSettings(max_partial_transfers=256, ack_timeout_s=5.0)
+    receiver = Reassembler(settings_)
+    for tid in range(256):
+        receiver.on_data(f"fedge/t/node/sybil{tid}/out", _frame(4096, chunk=2048, tid=tid), now_s=0.0)
+    assert receiver.partial_count == 256
+    assert receiver.on_data(HONEST, _frame(4096, chunk=2048, tid=999), now_s=10.0) == (None, None)
+    assert receiver.stats.by_stream[HONEST]["partials"] == 1  # the sybils' transfers may still be moving
+    _, done = receiver.on_data(HONEST, _frame(4096, chunk=2048, tid=999), now_s=21.0)  # 4 x 5 s later
+    assert done is None and receiver.sender_usage(HONEST)[0] == 1 and receiver.stats.evicted == 1
+    _, done = receiver.on_data(HONEST, _frame(4096, 1, chunk=2048, tid=999), now_s=21.5)
+    assert done is not None
+
+
 def test_the_application_limits_each_senders_messages() -> None:
     receiver = Reassembler(TransferSettings(max_message_bytes=4000))
     ack, _ = receiver.on_data(EVIL, _frame(1001, chunk=512), 1.0, message_limit=1000)
