@@ -20,6 +20,7 @@ from flwr.serverapp.strategy import FedMedian, FedTrimmedAvg, Strategy
 from fedge.app.backdoor import trigger_values, triggered_test_set
 from fedge.app.config import AppConfig
 from fedge.app.task import checked_evaluation, prepare_task, task_errors
+from fedge.app.task_checks import check_model_dtypes
 from fedge.app.weights import load_record, state_record
 from fedge.config import ConfigError, from_table
 from fedge.reporting.history import RoundListener, RunHistory
@@ -197,6 +198,7 @@ def federated_run(
     torch.manual_seed(config.seed)
     with task_errors(config.task, "model()"):
         model = task.task.model()
+    check_model_dtypes(model, config.task)
     with task_errors(config.task, "test_set()"):
         test_set = task.test_set()
 

@@ -326,7 +326,9 @@ def _prepared(path: str, args_json: str, num_partitions: int, alpha: float, seed
         raise TaskLoadError(f"task arguments are not JSON: {err}") from None
     if not isinstance(args, dict):
         raise TaskLoadError("task arguments must be a JSON object")
-    return PreparedTask(load_task(path, args), num_partitions, alpha=alpha, seed=seed)
+    task = load_task(path, args)
+    with task_errors(path, "prepare()"):
+        return PreparedTask(task, num_partitions, alpha=alpha, seed=seed)
 
 
 def warm_up_torch() -> None:

@@ -93,3 +93,21 @@ def _parts(features: Any) -> list[Any]:
     if isinstance(features, tuple | list):
         return list(features)
     return [features]
+
+
+def check_model_dtypes(model: Any, task: str) -> None:
+    """Refuse in one line a model holding tensors numpy cannot hold (bfloat16, float8): every tensor
+    travels as a numpy array in Flower's records, and the run would otherwise end in a raw ``TypeError``."""
+    import torch
+
+    unsupported = {}
+    for name, tensor in model.state_dict().items():
+        try:
+            torch.empty(0, dtype=tensor.dtype).numpy()
+        except TypeError:
+            unsupported.setdefault(str(tensor.dtype).removeprefix("torch."), name)
+    if unsupported:
+        found = ", ".join(f"{dtype} (e.g. {name!r})" for dtype, name in unsupported.items())
+        raise TaskContractError(
+            f"task {task}: model() holds tensors numpy cannot carry: {found}; build it in float32 or float16"
+        )

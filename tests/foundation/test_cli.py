@@ -257,3 +257,29 @@ def test_the_summary_table_shows_rejected_replies_beside_the_replies():
     console.print(summary_table(history))
     text = console.export_text()
     assert "5/5 (4 rejected)" in text and text.count("rejected") == 1
+
+
+def test_a_task_whose_prepare_raises_is_one_line(tmp_path):
+    """Task.prepare() runs user code (a download, a cache): its exception was a 46-line traceback."""
+    (tmp_path / "broken.py").write_text(
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Broken(DigitsTask):\n"
+        "    def prepare(self, num_partitions, *, alpha, seed):\n"
+        "        raise FileNotFoundError('cache dir /data/x missing')\n"
+    )
+    result = runner.invoke(app, ["simulate", "--task", f"{tmp_path / 'broken.py'}:Broken", "--rounds", "1"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert "prepare() raised FileNotFoundError: cache dir /data/x missing" in result.output
+
+
+def test_a_bfloat16_model_is_one_line(tmp_path):
+    (tmp_path / "bf16.py").write_text(
+        "import torch\n"
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Bf16(DigitsTask):\n"
+        "    def model(self):\n"
+        "        return super().model().to(torch.bfloat16)\n"
+    )
+    result = runner.invoke(app, ["simulate", "--task", f"{tmp_path / 'bf16.py'}:Bf16", "--rounds", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output  # after the run's header: one line
+    assert "numpy cannot carry: bfloat16 (e.g. 'features.0.weight')" in result.output.replace("\n", "")
