@@ -72,6 +72,11 @@ class Schedule:
             raise ConfigError(
                 f"training_memory_bytes must be >= 0 and finite, got {self.training_memory_bytes}"
             )
+        if self.memory_aware and self.training_memory_bytes == 0:  # every device would hold 0 bytes
+            raise ConfigError(
+                "memory_aware needs training_memory_bytes: what training needs on a device, in bytes "
+                "(fedge.devices.training_memory_bytes estimates it)"
+            )
 
     def next_deadline(self, delays: Sequence[float]) -> float | None:
         """The deadline of the next round, seconds (None: none).

@@ -107,6 +107,8 @@ def test_schedule_is_shared_with_the_clock_and_validated():
         Schedule(over_select=0.5)
     with pytest.raises(ConfigError):
         Schedule(deadline_s=0.0)
+    with pytest.raises(ConfigError, match="memory_aware needs training_memory_bytes"):
+        Schedule(memory_aware=True)  # it silently let a device of 0 bytes train (heterogeneity sweep)
 
 
 def test_a_node_that_never_answers_delays_the_round_by_the_deadline_only():
