@@ -309,8 +309,13 @@ class _FailureWatch:
                 )
             return
         self.in_a_row += 1
-        self.first_error = self.first_error or first_error or _rejections(metrics)
-        cause = error_summary(first_error) or _rejections(metrics) or "no client replied in time"
+        self.first_error = self.first_error or first_error or _rejections(metrics) or _clock_cause(metrics)
+        cause = (
+            error_summary(first_error)
+            or _rejections(metrics)
+            or _clock_cause(metrics)
+            or "no client replied in time"
+        )
         log.warning(
             "round %d: none of the %d sampled clients' updates was accepted; first: %s",
             metrics.round,
@@ -328,6 +333,18 @@ class _FailureWatch:
         if history.rounds and not any(map(_trained, history.rounds)):
             cause = error_summary(self.first_error) or "no client replied in time"
             raise RunFailed(f"no client update was accepted in any round; first: {cause}")
+
+
+def _clock_cause(metrics: RoundMetrics) -> str:
+    """Why a simulated clock's round got no reply, from its timeline (clients cut off by their availability,
+    replies after the deadline), or "" without one."""
+    statuses = [row.get("status") for row in metrics.timeline]
+    n = len(statuses)
+    causes = [
+        f"{statuses.count('cut_off')} of {n} clients went away (their availability) before replying",
+        f"{statuses.count('late')} of {n} replies came after the deadline",
+    ]
+    return "; ".join(cause for cause in causes if not cause.startswith("0 of"))
 
 
 def _rejections(metrics: RoundMetrics) -> str:

@@ -193,9 +193,10 @@ class ClockGrid(RunGrid):
     def take_round(self) -> dict[str, Any]:
         """The last round's simulated time and timeline (for the round's metrics), then reset."""
         report, self._report = self._report, _Round()
-        if self._async_rows:  # asynchronous: the time since the previous take, the replies pulled in it
-            report = _Round(self.now_s - self._taken_s, self._async_rows + report.timeline)
-            self._async_rows = []
+        # The time since the previous take: a round's own time, and any wait before it for the fleet to be
+        # available (so the rounds' times add up to the clock); asynchronous, with the replies pulled in it.
+        report = _Round(self.now_s - self._taken_s, self._async_rows + report.timeline)
+        self._async_rows = []
         self._taken_s = self.now_s
         return {"sim_time_s": report.sim_time_s, "sim_clock_s": self.now_s, "timeline": report.timeline}
 

@@ -83,6 +83,20 @@ def test_a_round_that_finds_everyone_away_waits_until_they_are_back(tmp_path):
     assert first.clients_replied == 0 and first.extra["sim_clock_s"] == 500.0
     assert {row["status"] for row in first.timeline} == {"cut_off"}
     assert second.extra["accepted"] == second.clients_sampled > 0
+    # the rounds' times add up to the clock, the wait included (it was left out of the round that waited)
+    assert first.extra["sim_time_s"] + second.extra["sim_time_s"] == second.extra["sim_clock_s"]
+
+
+def test_a_round_whose_clients_all_went_away_says_so(tmp_path):
+    import pickle
+
+    from fedge.server.runner import RunFailed
+
+    trace = tmp_path / "brief.pkl"  # everyone is there for the first 0.01 s of every 10,000 s, then gone
+    brief = {"duration": 10_000.0, "active": [0.0], "inactive": [0.01], "finish_time": 10_000.0}
+    trace.write_bytes(pickle.dumps({i: dict(brief) for i in range(8)}))
+    with pytest.raises(RunFailed, match=r"4 of 4 clients went away \(their availability\) before replying"):
+        _run(Schedule(), availability=str(trace), rounds=1)
 
 
 def test_an_adaptive_deadline_grows_until_the_slow_gateways_are_in():
