@@ -81,6 +81,10 @@ def _read(path: str | Path, max_bytes: int) -> object:
         data = path.read_bytes()
     except OSError as err:
         raise TraceError(f"trace {path} cannot be read: {err}") from None
+    # A pickle of protocol 2 or later starts with PROTO (0x80); one of protocol 0 or 1 ends with STOP ('.').
+    # Anything else (a TOML file given by mistake) would fail on whatever its bytes spell as opcodes.
+    if not (data.startswith(b"\x80") or data.endswith(b".")):
+        raise TraceError(f"{path} is not a pickle (FedScale's traces are pickled dicts)")
     try:
         return safe_unpickle(data)
     except TraceError as err:

@@ -99,8 +99,11 @@ def test_bad_availability_traces(tmp_path):
     with pytest.raises(TraceError, match="equal length"):
         read_availability(write(tmp_path, {1: {"active": [1], "inactive": [], "finish_time": 5}}))
     (tmp_path / "junk.pkl").write_bytes(b"not a pickle")
-    with pytest.raises(TraceError, match="not a valid pickle"):
+    with pytest.raises(TraceError, match="is not a pickle"):
         read_availability(tmp_path / "junk.pkl")
+    (tmp_path / "cut.pkl").write_bytes(pickle.dumps(TRACE)[:40])  # a pickle cut short
+    with pytest.raises(TraceError, match="not a valid pickle"):
+        read_availability(tmp_path / "cut.pkl")
     with pytest.raises(TraceError, match="more than"):
         read_availability(write(tmp_path, TRACE), max_bytes=10)
     for active, inactive in [([30], [10]), ([-100], [-50]), ([10], [10])]:  # reversed, negative, empty
@@ -157,3 +160,11 @@ def test_periods_that_are_not_whole_seconds_keep_their_intervals_exact():
     assert all(wrap.next_available(c, 0.4 * period) == pytest.approx(period / 2) for c in range(200))
     remapped = wrap.remap(50, seed=1)
     assert all(remapped.available_until(c, 0.75 * period) == pytest.approx(period * 4 / 3) for c in range(50))
+
+
+def test_a_file_that_is_not_a_pickle_is_named_as_such(tmp_path):
+    """A TOML file given as the trace spelled pickle opcodes: 'trace pickle names lients = 3.rounds = 2'."""
+    path = tmp_path / "fleet.toml"
+    path.write_text("clients = 3\nrounds = 2\n")
+    with pytest.raises(TraceError, match=r"fleet\.toml is not a pickle"):
+        read_availability(path)
