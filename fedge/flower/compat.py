@@ -34,6 +34,7 @@ __all__ = [
     "content_proto_size",
     "context_from_bytes",
     "context_to_bytes",
+    "ensure_task_identity",
     "message_from_bytes",
     "message_proto_size",
     "message_to_bytes",
@@ -134,6 +135,14 @@ def set_task_identity(run_id: int, node_id: int = SUPERLINK_NODE_ID, task_id: in
     TaskIdentity.task_id = task_id
     TaskIdentity.run_id = run_id
     TaskIdentity.node_id = node_id
+
+
+def ensure_task_identity(run_id: int) -> None:
+    """Stamp the identity :func:`set_task_identity` sets, unless something has already: Flower's runtime
+    does for a ServerApp, but a library user driving rounds on a Grid of their own has nothing set, and
+    Flower's ``Message`` then fails with ``TaskIdentity.run_id is not set``."""
+    if TaskIdentity._run_id is None:  # private: the property raises while unset
+        set_task_identity(run_id)
 
 
 def check_replies(strategy: FedAvg, replies: Iterable[Message], *, train: bool) -> list[Message]:

@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedge.config import ConfigError
+from fedge.flower.compat import ensure_task_identity
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
 from fedge.server.metered_grid import MeteredGrid
 from fedge.server.round_figures import evaluation_figures, train_figures
@@ -149,6 +150,10 @@ def run_rounds(
     """
     if run.seed is not None:
         random.seed(run.seed)
+    try:
+        ensure_task_identity(grid.run.run_id)
+    except (AttributeError, RuntimeError):  # a Grid that names no run
+        ensure_task_identity(1)
     metered = MeteredGrid(grid)
     history = RunHistory(config=dict(run.config), listeners=list(listeners))
     strategy = reporter = run.strategy  # reporter: unwrapped, for per-round figures

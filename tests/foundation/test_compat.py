@@ -36,6 +36,24 @@ def test_task_identity_feeds_message_metadata():
     assert message.metadata.message_id == "abc"
 
 
+def test_ensure_task_identity_sets_it_only_when_unset():
+    """Flower's TaskIdentity raises while unset, and its private field says whether it is (contract)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedge.flower.compat import ensure_task_identity
+
+    saved = TaskIdentity._run_id
+    try:
+        TaskIdentity._run_id = None
+        with pytest.raises(RuntimeError, match="run_id is not set"):
+            _ = TaskIdentity.run_id
+        ensure_task_identity(9)
+        ensure_task_identity(10)  # already set: kept
+        assert TaskIdentity.run_id == 9
+    finally:
+        TaskIdentity._run_id = saved
+
+
 def test_message_round_trip_keeps_metadata_and_content():
     message = _instruction()
     back = message_from_bytes(message_to_bytes(message))

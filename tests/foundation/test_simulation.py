@@ -423,3 +423,28 @@ def test_metrics_json_is_strict_json_when_a_figure_is_nan(tmp_path):
 
     expected = {"loss": None, "rounds": [{"x": None, "y": 1.5}], "n": 2}
     assert json.loads(text, parse_constant=refuse) == expected
+
+
+def test_a_library_user_runs_rounds_on_a_local_grid_without_flowers_runtime():
+    """Nothing sets Flower's task identity outside its runtime: run_federated on a LocalGrid failed with
+    'TaskIdentity.run_id is not set' unless the caller used a private function (library sweep). A fresh
+    process, since the suite's other tests set it."""
+    import subprocess
+    import sys
+
+    script = (
+        "from fedge.app.client_app import app\n"
+        "from fedge.app.config import AppConfig\n"
+        "from fedge.app.server_app import run_federated\n"
+        "from fedge.simulation.local_grid import LocalGrid\n"
+        "grid = LocalGrid(app, 2, workers=1)\n"
+        "history = run_federated(grid, AppConfig(rounds=1, local_epochs=1, min_nodes=2))\n"
+        "grid.shutdown()\n"
+        "print('rounds', len(history.rounds), history.rounds[0].clients_replied)\n"
+    )
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "rounds 1 2"
