@@ -18,7 +18,7 @@ from torch import nn
 from fedge.app.attacks import AttackMod, flip_labels, is_attacker
 from fedge.app.backdoor import plant, trigger_values
 from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
-from fedge.app.task_checks import checked_evaluation
+from fedge.app.task_checks import TaskContractError, checked_evaluation, task_errors
 from fedge.app.weights import load_record, state_record
 from fedge.client.compression_mod import CompressionMod
 
@@ -53,9 +53,29 @@ def train(msg: Message, context: Context) -> Message:
         labels = flip_labels(labels, max(_num_classes(task), int(labels.max()) + 1 if len(labels) else 0))
     if is_attacker(config, context.node_config, "backdoor"):
         features, labels = plant(features, labels, _trigger_values(task), seed=train_config.seed)
-    metrics = task.task.train(model, (features, labels), train_config)
-    content = RecordDict({"arrays": state_record(model), "metrics": MetricRecord(metrics)})
+    with task_errors(str(config["task"]), "train()"):  # the reply's error then names the user's call
+        result = task.task.train(model, (features, labels), train_config)
+    content = RecordDict(
+        {"arrays": state_record(model), "metrics": _train_metrics(result, str(config["task"]))}
+    )
     return Message(content=content, reply_to=msg)
+
+
+def _train_metrics(result: Any, task: str) -> MetricRecord:
+    """What a task's train() returned, as numbers; one line naming the figure that is not one."""
+    if not isinstance(result, dict):
+        raise TaskContractError(f"task {task}: train() returned {type(result).__name__}, not a dict")
+    metrics = {}
+    for key, value in result.items():
+        if isinstance(value, list) and all(
+            _number(v) is not None for v in value
+        ):  # a MetricRecord holds these
+            metrics[str(key)] = [_number(v) for v in value]
+            continue
+        if (number := _number(value)) is None:
+            raise TaskContractError(f"task {task}: train() returned {key!r} = {value!r:.60}, not a number")
+        metrics[str(key)] = number
+    return MetricRecord(metrics)
 
 
 @app.query("partition")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import zlib
 
 import numpy as np
+import pytest
 from fl_helpers import reference_app, run
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp.mod import fixedclipping_mod
@@ -345,3 +347,34 @@ def test_federated_evaluation_works_for_a_task_that_returns_only_what_the_docs_a
         grid.shutdown()
     assert len(history.rounds) == 2 and len(evaluated) == 2
     assert all(len(sizes) == 3 and all(size > 0 for size in sizes) for sizes in evaluated)
+
+
+def test_a_tasks_train_errors_and_non_numbers_are_named_in_the_reply(tmp_path):
+    """A client's error named neither the user's train() nor, for a metric that is not a number, its key
+    (Flower's MetricRecord message; library sweep)."""
+    from fedge.app.config import AppConfig
+    from fedge.app.server_app import run_federated
+    from fedge.flower.compat import set_task_identity
+    from fedge.server.runner import RunFailed
+
+    (tmp_path / "odd.py").write_text(
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Odd(DigitsTask):\n"
+        "    def train(self, model, data, config):\n"
+        "        return {**super().train(model, data, config), 'note': 'fine'}\n\n\n"
+        "class Raising(DigitsTask):\n"
+        "    def train(self, model, data, config):\n"
+        "        raise ValueError('labels out of range')\n"
+    )
+    for name, needle in [
+        ("Odd", "train() returned 'note' = 'fine', not a number"),
+        ("Raising", "train() raised"),
+    ]:
+        grid = LocalGrid(reference_app([]), 2)
+        set_task_identity(run_id=1)
+        config = AppConfig(rounds=1, local_epochs=1, min_nodes=2, task=f"{tmp_path / 'odd.py'}:{name}")
+        try:
+            with pytest.raises(RunFailed, match=re.escape(needle)):
+                run_federated(grid, config, [], strategy=FedAvg(fraction_evaluate=0.0, min_available_nodes=2))
+        finally:
+            grid.shutdown()
