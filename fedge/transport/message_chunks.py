@@ -53,6 +53,7 @@ class _Partial:
     size: int = 0  # bytes of its chunks
     started: float = 0.0
     charged: int = 0  # what it counts against the total: its size plus a fixed charge per chunk
+    progressed: float = 0.0  # when its last chunk came
 
 
 class MessageAssembler:
@@ -70,12 +71,23 @@ class MessageAssembler:
         The most bytes all senders together may hold in partial messages (default: ``4 * max_bytes``, at
         least 1 MiB); every stored chunk counts its length plus a small fixed charge. A chunk that completes
         its message is always let in: it frees what the message held.
+    stall_s : float, default 5.0
+        A partial message without a new chunk for this long gives way, when a sender is at ``max_open`` or
+        all senders at ``max_total_bytes``, to a new one: the sender is not what a request names, so a few
+        stalled partials under invented names (or an honest requester's) must not refuse everyone else for
+        ``expiry_s``.
     """
 
     def __init__(
-        self, max_bytes: int, *, max_open: int = 4, expiry_s: float = 60.0, max_total_bytes: int | None = None
+        self,
+        max_bytes: int,
+        *,
+        max_open: int = 4,
+        expiry_s: float = 60.0,
+        max_total_bytes: int | None = None,
+        stall_s: float = 5.0,
     ) -> None:
-        self.max_bytes, self.max_open, self.expiry_s = max_bytes, max_open, expiry_s
+        self.max_bytes, self.max_open, self.expiry_s, self.stall_s = max_bytes, max_open, expiry_s, stall_s
         self.max_total_bytes = max(4 * max_bytes, 1 << 20) if max_total_bytes is None else max_total_bytes
         self.held_bytes = 0  # charged bytes of every sender's partial messages
         self._open: dict[str, OrderedDict[bytes, _Partial]] = {}
@@ -91,9 +103,9 @@ class MessageAssembler:
         messages = self._open.setdefault(sender, OrderedDict())
         partial = messages.get(key)
         if partial is None:
-            if len(messages) >= self.max_open:
+            if len(messages) >= self.max_open and not self._give_way(now, sender):
                 raise ChunkError(f"{sender} has {len(messages)} partial messages open, the most allowed")
-            partial = messages[key] = _Partial(count, started=now)
+            partial = messages[key] = _Partial(count, started=now, progressed=now)
         if partial.count != count:
             raise ChunkError(f"chunk says {count} chunks, the message's first chunk said {partial.count}")
         if index in partial.parts:
@@ -104,10 +116,12 @@ class MessageAssembler:
             self._drop(messages, key)
             raise ChunkError(f"{sender}'s partial messages would exceed {self.max_bytes} bytes")
         completes = len(partial.parts) + 1 == count  # it frees what the message holds: always let it in
-        if charge + self.held_bytes > self.max_total_bytes and not completes:
-            self._drop(messages, key)
-            raise ChunkError(f"partial messages of all senders would exceed {self.max_total_bytes} bytes")
+        while charge + self.held_bytes > self.max_total_bytes and not completes:
+            if not self._give_way(now, None, keep=(sender, key)):
+                self._drop(messages, key)
+                raise ChunkError(f"partial messages of all senders would exceed {self.max_total_bytes} bytes")
         partial.parts[index] = chunk
+        partial.progressed = now
         partial.size += len(chunk)
         partial.charged += charge
         self.held_bytes += charge
@@ -122,6 +136,23 @@ class MessageAssembler:
     def open_messages(self, sender: str) -> int:
         """How many partial messages ``sender`` has open."""
         return len(self._open.get(sender, ()))
+
+    def _give_way(self, now: float, sender: str | None, keep: tuple[str, bytes] | None = None) -> bool:
+        """Drop the most stalled partial message (of ``sender``, or of anyone) if it stalled ``stall_s``;
+        whether one went. ``keep`` is never dropped."""
+        stalled = [
+            (partial.progressed, who, key)
+            for who, messages in self._open.items()
+            if sender is None or who == sender
+            for key, partial in messages.items()
+            if (who, key) != keep and now - partial.progressed >= self.stall_s
+        ]
+        if not stalled:
+            return False
+        _, who, key = min(stalled)
+        self._drop(self._open[who], key)
+        self.expired += 1
+        return True
 
     def _drop(self, messages: OrderedDict[bytes, _Partial], key: bytes) -> None:
         """Forget one partial message and release its bytes."""

@@ -79,3 +79,22 @@ def test_empty_chunks_are_not_free():
 def test_only_ascii_digits_count_as_chunk_numbers():
     with pytest.raises(ChunkError):
         parse_chunk("0/\u0663", max_chunks=10)  # ARABIC-INDIC DIGIT THREE passes str.isdigit
+
+
+def test_stalled_partials_give_way_to_new_messages():
+    """The 'sender' is the response topic a request names: four stalled first chunks under an honest
+    client's topic, or near-full partials under invented ones, refused everyone's chunked requests for a
+    minute (hostile sweep). A partial without a new chunk for stall_s now gives way; a moving one does not."""
+    assembler = MessageAssembler(max_bytes=1000, max_open=2, max_total_bytes=2400, stall_s=5.0)
+    assembler.add("victim", b"a", 0, 2, b"x", now=0.0)
+    assembler.add("victim", b"b", 0, 2, b"x", now=0.0)
+    with pytest.raises(ChunkError, match="partial messages open"):
+        assembler.add("victim", b"real", 0, 2, b"x", now=1.0)  # the squatters are not stalled yet
+    assert assembler.add("victim", b"real", 0, 2, b"y", now=6.0) is None  # now they are: one gives way
+    assert assembler.add("victim", b"real", 1, 2, b"z", now=6.5) == b"yz"
+    for n in range(3):  # fill the total under invented names
+        assembler.add(f"topic-{n}", b"k", 0, 2, b"x" * 500, now=10.0)
+    with pytest.raises(ChunkError, match="all senders"):
+        assembler.add("honest", b"k", 0, 2, b"h" * 500, now=11.0)
+    assert assembler.add("honest", b"k", 0, 2, b"h" * 500, now=16.0) is None
+    assert assembler.add("honest", b"k", 1, 2, b"!", now=16.5) == b"h" * 500 + b"!"
