@@ -368,9 +368,14 @@ def _row(client: int, profiles: Sequence[ClientProfile], timing: ClientTiming, s
         "status": status,
         "start_s": round(timing.start_s, 6),
         "download_s": round(timing.download_s, 6),
-        "compute_s": round(timing.compute_s + timing.decode_s + timing.encode_s, 6),
+        "compute_s": round(timing.compute_s + timing.decode_s + timing.encode_s, 6),  # the three below
+        "decode_s": round(timing.decode_s, 6),
+        "train_s": round(timing.compute_s, 6),
+        "encode_s": round(timing.encode_s, 6),
         "upload_s": round(timing.upload_s, 6),
         "arrival_s": round(timing.arrival_s, 6),
         "away_s": timing.away_s if math.isfinite(timing.away_s) else None,
+        "cut_off_phase": timing.cut_off_phase or None,
         "resent_bytes": timing.resent_bytes,
+        "disconnects": timing.disconnects,
     }
