@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fedge.atomic import write_bytes_atomic
+from fedge.config import ConfigError
 
 __all__ = ["digits_split", "dirichlet_partitions", "load_digits_arrays", "stratified_split"]
 
@@ -73,7 +74,7 @@ def dirichlet_partitions(num_partitions: int, alpha: float, seed: int) -> tuple[
         parts = _compute_dirichlet_partitions(num_partitions, alpha, seed)
     except ValueError as err:  # flwr-datasets gives up after 10 draws with an empty (too small) client
         images = len(digits_split("train")[1])
-        raise ValueError(
+        raise ConfigError(  # the run's settings, not the task's code: passes through task_errors as it is
             f"cannot split the {images:,} digits training images among {num_partitions} clients with "
             f"alpha {alpha:g} (every client needs a few images): use fewer clients (about {images // 10} "
             f"or less) or a larger alpha ({err})"
