@@ -91,6 +91,20 @@ def _run_local(
 def _run_ray(
     config: SimulationConfig, app_config: AppConfig, task: PreparedTask, listeners: list[RoundListener]
 ) -> RunHistory:
+    # Ray sets variables in this process's environment for its workers, on import and at start (PYTHONPATH
+    # with this venv's site-packages among them), and leaves them: every process the caller started
+    # afterwards inherited them. The run gets them; the caller gets its environment back.
+    environment = dict(os.environ)
+    try:
+        return _run_flower_simulation(config, app_config, task, listeners)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def _run_flower_simulation(
+    config: SimulationConfig, app_config: AppConfig, task: PreparedTask, listeners: list[RoundListener]
+) -> RunHistory:
     from flwr.simulation import run_simulation as flower_run_simulation
 
     histories: list[RunHistory] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fedge.app.config import AppConfig
@@ -147,9 +149,10 @@ def test_ray_gives_each_client_the_profile_of_its_own_partition_as_the_local_eng
     availability with arbitrary partitions, so Ray's simulated times differed from the local engine's."""
     app = AppConfig(rounds=1, local_epochs=1, alpha=0.3)  # unequal partitions: each client's compute differs
     fleet = FleetConfig(mix={"pi4_wifi": 0.5, "phone_lte": 0.5}, seed=2)
-    timings = {}
+    timings, environment = {}, dict(os.environ)
     for engine in ("local", "ray"):
         history = run_simulation(SimulationConfig(clients=4, workers=2, engine=engine, app=app, fleet=fleet))
         timings[engine] = sorted((row["client"], row["compute_s"]) for row in history.rounds[0].timeline)
     assert len({compute for _, compute in timings["local"]}) == 4  # the pairing shows in every figure
     assert timings["ray"] == timings["local"]
+    assert dict(os.environ) == environment  # Ray's PYTHONPATH reached every later subprocess of the suite

@@ -104,7 +104,10 @@ def test_venv_has_no_torch_or_flower(infer_venv):
         "names = ('torch', 'flwr', 'cryptography', 'onnxruntime', 'paho', 'fedge')\n"
         "print(json.dumps({m: importlib.util.find_spec(m) is not None for m in names}))"
     )
-    found = json.loads(subprocess.check_output([python, "-c", probe], text=True))
+    # only the venv's own paths: a PYTHONPATH of the caller's (Ray leaves one naming the full venv's
+    # site-packages) would make torch importable here
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    found = json.loads(subprocess.check_output([python, "-c", probe], text=True, env=clean))
     expected = {"torch": False, "flwr": False, "cryptography": False, "onnxruntime": True, "paho": True}
     assert found == {**expected, "fedge": True}
     assert installed_mb < 400  # the full agent's venv holds about 1.9 GB
