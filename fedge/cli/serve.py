@@ -122,7 +122,8 @@ def infer(
         for name, value in outputs.items():
             typer.echo(f"  {name}: {np.array2string(value, precision=6, threshold=64)}")
         return
-    classes = outputs.argmax(axis=1).tolist() if is_class_scores(outputs) else None
+    classify = answer.kind != "values" and is_class_scores(outputs)  # a regressor's columns are values
+    classes = outputs.argmax(axis=1).tolist() if classify else None
     if as_json:
         found = {"predictions": classes} if classes is not None else {"outputs": outputs.tolist()}
         typer.echo(json.dumps({"version": answer.version, **found, "shape": outputs.shape}))

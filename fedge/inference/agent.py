@@ -230,7 +230,7 @@ class InferenceAgent:
             else:
                 outputs, version = self.server.predict_versioned(decode_array(payload, **caps))
                 answer = encode_array(outputs)
-            extra = (("status", "ok"), ("version", version), self._replica_tag)
+            extra = (("status", "ok"), ("version", version), self._replica_tag, *self._outputs_kind())
         except InputError as err:
             answer, extra = b"", (("status", "error"), ("error", str(err)), ("version", ""))
             self._count_failure("bad-request")
@@ -250,6 +250,13 @@ class InferenceAgent:
             self.connection.publish(
                 props.response_topic, chunk, qos=1 if tag else 0, message_properties=reply
             )
+
+    def _outputs_kind(self) -> tuple[tuple[str, str], ...]:
+        """What the served model's outputs are, as its manifest says (``classes``/``values``), for the
+        requester to print them right; nothing when unknown."""
+        manifest = self.server.current.manifest  # a model answered the request, so one is loaded
+        kind = manifest.extra.get("outputs") if manifest is not None else None
+        return (("outputs", kind),) if isinstance(kind, str) else ()
 
     def _count_failure(self, reason: str) -> None:
         first = reason not in self.failed_requests

@@ -43,6 +43,7 @@ class Prediction:
     outputs: np.ndarray | dict[str, np.ndarray]
     version: str
     replica: int = 0
+    kind: str = ""  # what the outputs are, as the model's manifest says: "classes", "values" or unknown
 
 
 class InferenceClient:
@@ -171,5 +172,10 @@ class InferenceClient:
             return
         replica = fields.get("replica", "0")
         future.set_result(
-            Prediction(outputs, fields.get("version", ""), int(replica) if replica.isdigit() else 0)
+            Prediction(
+                outputs,
+                fields.get("version", ""),
+                int(replica) if replica.isdigit() else 0,
+                fields.get("outputs", ""),
+            )
         )

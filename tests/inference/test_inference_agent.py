@@ -366,6 +366,29 @@ def test_fedge_infer_asks_a_device_and_lists_what_it_serves(
         wait_until(lambda: _listed(where, "model v7 ", f"(fp32, {threads} thread"))
 
 
+def test_fedge_infer_prints_values_for_a_model_whose_manifest_says_so(
+    mqtt, coordinator, variants, digits_test, tmp_path
+):
+    """A regressor of two or more targets was printed as argmax classes (inference sweep): the agent passes
+    on its manifest's ``outputs`` kind, and ``fedge infer`` prints values for ``values``."""
+    publisher = ArtifactPublisher(coordinator, Topics(coordinator.config.fleet), chunk_size=16 * 1024)
+    path, manifest = variants["fp32"]
+    _publish(publisher, path, manifest.with_(extra={**manifest.extra, "outputs": "values"}), "v8")
+    inputs = tmp_path / "x.npy"
+    np.save(inputs, digits_test[0][:3])
+    config = mqtt()
+    question = ["infer", "--broker", config.broker_url, "--fleet", config.fleet, "--node", "dev-1"]
+    with _agent(mqtt, tmp_path) as agent:
+        wait_until(lambda: agent.server.serving_version == "v8")
+        asked = CliRunner().invoke(app, [*question, "--input", str(inputs), "--json"])
+    assert asked.exit_code == 0, asked.output
+    answer = json.loads(asked.stdout)
+    assert "predictions" not in answer and answer["shape"] == [3, 10]
+    expected = ModelServer()
+    expected.load(path)
+    np.testing.assert_allclose(answer["outputs"], expected.predict(digits_test[0][:3]), atol=1e-5)
+
+
 def _listed(where: list[str], *texts: str) -> bool:
     """Whether ``fedge infer --status`` lists dev-1 with every one of ``texts`` in its line."""
     listed = CliRunner().invoke(app, ["infer", *where, "--status", "--timeout", "0.5"])
