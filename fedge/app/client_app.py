@@ -67,10 +67,9 @@ def _train_metrics(result: Any, task: str) -> MetricRecord:
         raise TaskContractError(f"task {task}: train() returned {type(result).__name__}, not a dict")
     metrics = {}
     for key, value in result.items():
-        if isinstance(value, list) and all(
-            _number(v) is not None for v in value
-        ):  # a MetricRecord holds these
-            metrics[str(key)] = [_number(v) for v in value]
+        numbers = [_number(v) for v in value] if isinstance(value, list) else None
+        if numbers is not None and None not in numbers:  # a MetricRecord holds lists of numbers too
+            metrics[str(key)] = numbers
             continue
         if (number := _number(value)) is None:
             raise TaskContractError(f"task {task}: train() returned {key!r} = {value!r:.60}, not a number")

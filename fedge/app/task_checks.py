@@ -109,5 +109,5 @@ def check_model_dtypes(model: Any, task: str) -> None:
     if unsupported:
         found = ", ".join(f"{dtype} (e.g. {name!r})" for dtype, name in unsupported.items())
         raise TaskContractError(
-            f"task {task}: model() holds tensors numpy cannot carry: {found}; build it in float32 or float16"
+            f"task {task}: model() holds tensors numpy cannot carry: {found}; build it in float32"
         )
