@@ -95,20 +95,29 @@ def test_node_context_persists_across_rounds():
     assert [r.metadata.src_node_id for r in replies] == list(grid.get_node_ids())
 
 
-def test_calls_start_longest_first_and_replies_keep_the_push_order():
+def test_calls_start_longest_first_and_replies_keep_the_push_order(monkeypatch):
     """After a node's first call, its next starts in order of how long its last took (longest first: a
     round does not end with one worker on a long call while the others wait); replies still come back in
-    the order pushed. One thread runs the calls, so they start exactly in the order the grid chose."""
+    the order pushed. One thread runs the calls, so they start exactly in the order the grid chose; each
+    call's measured seconds are set to its partition id (partition 3 the longest), so no timing is at
+    the mercy of the machine's load."""
+    import fedge.simulation.local_grid as local_grid
+
     started = []
     app = ClientApp()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        partition = int(context.node_config["partition-id"])
-        started.append(partition)
-        time.sleep(0.05 * partition)  # the call's work: partition 3 takes longest
+        started.append(int(context.node_config["partition-id"]))
         return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
 
+    timed = local_grid._timed_call
+
+    def measured_as_partition(*args):
+        frames, context, _ = timed(*args)
+        return local_grid.CallResult(frames, context, float(started[-1]))
+
+    monkeypatch.setattr(local_grid, "_timed_call", measured_as_partition)
     grid = LocalGrid(app, num_nodes=4, workers=1)
     try:
         first = _send_round(grid)
