@@ -21,6 +21,7 @@ from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torc
 from fedge.app.task_checks import TaskContractError, checked_evaluation, task_errors
 from fedge.app.weights import load_record, state_record
 from fedge.client.compression_mod import CompressionMod
+from fedge.protocol.records import as_number
 
 __all__ = ["app", "local_seed"]
 
@@ -67,11 +68,11 @@ def _train_metrics(result: Any, task: str) -> MetricRecord:
         raise TaskContractError(f"task {task}: train() returned {type(result).__name__}, not a dict")
     metrics = {}
     for key, value in result.items():
-        numbers = [_number(v) for v in value] if isinstance(value, list) else None
+        numbers = [as_number(v) for v in value] if isinstance(value, list) else None
         if numbers is not None and None not in numbers:  # a MetricRecord holds lists of numbers too
             metrics[str(key)] = numbers
             continue
-        if (number := _number(value)) is None:
+        if (number := as_number(value)) is None:
             raise TaskContractError(f"task {task}: train() returned {key!r} = {value!r:.60}, not a number")
         metrics[str(key)] = number
     return MetricRecord(metrics)
@@ -93,19 +94,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     model = _received_model(task, msg)
     data = task.partition(int(context.node_config["partition-id"]))
     result = checked_evaluation(task.task.evaluate(model, data), str(msg.content["config"]["task"]))
-    metrics = {key: number for key, value in result.items() if (number := _number(value)) is not None}
+    metrics = {key: number for key, value in result.items() if (number := as_number(value)) is not None}
     metrics.setdefault("num-examples", float(len(data[1])))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
-
-
-def _number(value: Any) -> float | None:
-    """A task's figure as a float (a Python or numpy number, a 0-d tensor or array), or None if it is not a
-    number (a MetricRecord holds numbers only; the central evaluation warns about such figures)."""
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
-        value = value.item()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return None
 
 
 def local_seed(seed: int, partition_id: int, server_round: int) -> int:

@@ -47,13 +47,16 @@ The reference-model step both sides compute is in :mod:`fedge.protocol.reference
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedge.protocol.arrays import array_to_numpy, numpy_to_array
+from fedge.protocol.arrays import array_to_numpy
+from fedge.protocol.arrays import arrays_to_record as record_of
 
 __all__ = [
     "APPROXIMATE",
@@ -65,6 +68,7 @@ __all__ = [
     "Instruction",
     "ProtocolError",
     "arrays_to_record",
+    "as_number",
     "record_to_arrays",
 ]
 
@@ -244,5 +248,19 @@ def arrays_to_record(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
         dtype = np.dtype(dtypes.get(name, "float32"))
         if dtype.kind in "iub":
             values = np.rint(values)
-        out[name] = numpy_to_array(np.asarray(values.astype(dtype, copy=False)))
-    return ArrayRecord(out)
+        out[name] = np.asarray(values).astype(dtype, copy=False)
+    return record_of(out)  # filled item by item: ArrayRecord(dict) builds every Array a second time
+
+
+def as_number(value: Any) -> float | None:
+    """A task's figure as the float a ``MetricRecord`` holds: a Python or numpy number, or a 0-d tensor or
+    array; otherwise None (a bool, a list, a string, a tensor of more than one value)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        item = value.item()
+        if isinstance(item, numbers.Real) and not isinstance(item, bool):
+            return float(item)
+    return None

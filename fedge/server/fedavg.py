@@ -20,7 +20,8 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fedge.flower.compat import check_replies
-from fedge.protocol.arrays import array_to_numpy, arrays_to_record
+from fedge.protocol.arrays import array_to_numpy
+from fedge.protocol.records import arrays_to_record
 
 __all__ = ["DenseFedAvg", "weighted_average"]
 
@@ -50,20 +51,17 @@ def weighted_average(contents: list[RecordDict], weight_key: str) -> ArrayRecord
     weights = [float(_first(c, MetricRecord)[weight_key]) for c in contents]  # type: ignore[arg-type]
     total = sum(weights)
     summed: dict[str, np.ndarray] = {}
-    integers: dict[str, np.dtype] = {}  # integer or bool tensors (of the first reply): rounded back
+    dtypes: dict[str, str] = {}  # each tensor's dtype in the first reply: integers are rounded back to it
     for content, weight in zip(contents, [w / total for w in weights], strict=True):
         for record in (r for r in content.values() if isinstance(r, ArrayRecord)):
             for name, array in record.items():
                 values = array_to_numpy(array)
                 if name not in summed:
                     summed[name] = values * weight
-                    if values.dtype.kind in "biu":
-                        integers[name] = values.dtype
+                    dtypes[name] = str(values.dtype)
                 else:
                     summed[name] += values * weight
-    for name, dtype in integers.items():
-        summed[name] = np.rint(summed[name]).astype(dtype)
-    return arrays_to_record(summed)
+    return arrays_to_record(summed, dtypes)
 
 
 def _first(content: RecordDict, kind: type) -> Any:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 from flwr.app import MetricRecord
 
+from fedge.protocol.records import as_number
 from fedge.reporting.history import RoundMetrics
 
 __all__ = ["evaluation_figures", "train_figures"]
@@ -39,16 +39,10 @@ _NOT_NUMBERS: set[str] = set()  # the task's figures already warned about as not
 
 
 def _number(key: str, value: Any) -> float | None:
-    """``value`` as a float: a Python or numpy number, or a 0-d tensor or array; otherwise None (and, once
-    per name, a warning that it is left out of metrics.json)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
-        item = value.item()
-        if isinstance(item, numbers.Real) and not isinstance(item, bool):
-            return float(item)
+    """:func:`~fedge.protocol.records.as_number`, and, once per name of a figure that is none, a warning
+    that it is left out of metrics.json."""
+    if (number := as_number(value)) is not None:
+        return number
     if key not in _NOT_NUMBERS:
         _NOT_NUMBERS.add(key)
         log.warning(
