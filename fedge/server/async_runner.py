@@ -117,6 +117,7 @@ class FedBuffStrategy(Strategy):
         self._arrived: dict[str, _Dispatch] = {}  # message id -> dispatch, while its reply is buffered
         self._metrics: dict[int, dict[str, float]] = {}
         self._first_version = 0  # the version start() begins at: a resumed run's checkpointed round
+        self._rng = random.Random()  # which idle nodes train; seeded from ``random`` by start()
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -145,7 +146,7 @@ class FedBuffStrategy(Strategy):
         label = self.state.version + 1
         busy = {d.node for d in [*self._in_flight.values(), *self._arrived.values()]}
         idle = sorted(n for n in grid.get_node_ids() if n not in busy)
-        chosen = random.sample(idle, max(0, min(self.concurrency - len(self._in_flight), len(idle))))
+        chosen = self._rng.sample(idle, max(0, min(self.concurrency - len(self._in_flight), len(idle))))
         config = ConfigRecord(dict(config))
         config["server-round"] = label
         content = RecordDict({"arrays": self._record, "config": config})
@@ -252,6 +253,9 @@ class FedBuffStrategy(Strategy):
         another, checked while nothing arrives (a simulated clock always has a reply to hand over);
         ``evaluate_config`` is unused (no federated evaluation).
         """
+        # The run's own stream, drawn from the seeded global one at once: a thread of any other library
+        # drawing from ``random`` while the run goes on (a reconnect's jitter, say) changes nothing here.
+        self._rng = random.Random(random.getrandbits(64))
         self.summary()
         train_config = train_config or ConfigRecord()
         result = Result()

@@ -3,6 +3,8 @@ simulated fleet (fast clients count more often, reproducible, a client cut off l
 
 from __future__ import annotations
 
+import random
+import threading
 from collections import Counter
 
 import numpy as np
@@ -154,6 +156,33 @@ def test_identical_seeds_give_identical_metrics_and_simulated_times_compressed()
     assert figures(first) == figures(second)
     assert first.rounds[-1].extra["sim_clock_s"] > 0 and first.rounds[-1].accuracy > first.initial_accuracy
     assert all(r.extra["accepted"] == 2 and r.extra["compression_ratio"] > 1 for r in first.rounds)
+
+
+def test_which_nodes_train_does_not_depend_on_other_threads_drawing_from_random():
+    """FedBuff picks idle nodes from a stream of its own, seeded when the run starts: a thread of another
+    library drawing from Python's global ``random`` meanwhile (a reconnect's jitter) changes no choice."""
+    config = SimulationConfig(clients=8, workers=1, app=_fedbuff_app(rounds=3, concurrency=2), fleet=MIXED)
+
+    def trained(history) -> list[list[int]]:
+        return [sorted(t["client"] for t in r.timeline) for r in history.rounds]
+
+    first = run_simulation(config)
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            random.random()
+            stop.wait(0.0001)
+
+    drawer = threading.Thread(target=draw, daemon=True)
+    drawer.start()
+    try:
+        second = run_simulation(config)
+    finally:
+        stop.set()
+        drawer.join()
+    assert trained(first) == trained(second)
+    assert len({c for r in trained(first) for c in r}) > 2  # a choice among more nodes than train at once
 
 
 def test_a_client_cut_off_by_its_availability_loses_its_work():
