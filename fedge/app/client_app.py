@@ -17,6 +17,7 @@ from torch import nn
 
 from fedge.app.attacks import AttackMod, flip_labels, is_attacker
 from fedge.app.backdoor import plant, trigger_values
+from fedge.app.seeding import seeded
 from fedge.app.task import PreparedTask, TrainConfig, prepare_task, warm_up_torch
 from fedge.app.task_checks import TaskContractError, checked_evaluation, task_errors
 from fedge.app.weights import load_record, state_record
@@ -37,14 +38,23 @@ warm_up_torch()
 def train(msg: Message, context: Context) -> Message:
     """Load the global model, train on the local partition, reply with the new weights."""
     config = msg.content["config"]
+    partition_id = int(context.node_config["partition-id"])
+    seed = local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0)))
+    # The call's own random streams (the model's construction, dropout, augmentation): the same draws on
+    # whichever worker runs it, and the process's generators as they were once it returns.
+    with seeded(seed):
+        return _train(msg, context, partition_id, seed)
+
+
+def _train(msg: Message, context: Context, partition_id: int, seed: int) -> Message:
+    config = msg.content["config"]
     task = _task(config, context)
     model = _received_model(task, msg)
-    partition_id = int(context.node_config["partition-id"])
     train_config = TrainConfig(
         epochs=int(config["local-epochs"]),
         learning_rate=float(config["learning-rate"]),
         batch_size=int(config["batch-size"]),
-        seed=local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0))),
+        seed=seed,
         proximal_mu=float(config.get("proximal-mu", 0.0)),
         options=dict(config),
     )
@@ -90,10 +100,13 @@ def partition(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on the local partition; reply with the task's numbers and, unless it
     gave one, ``num-examples`` (the partition's size), which Flower's strategies weigh evaluations by."""
-    task = _task(msg.content["config"], context)
-    model = _received_model(task, msg)
-    data = task.partition(int(context.node_config["partition-id"]))
-    result = checked_evaluation(task.task.evaluate(model, data), str(msg.content["config"]["task"]))
+    config = msg.content["config"]
+    partition_id = int(context.node_config["partition-id"])
+    with seeded(local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0))), stream=1):
+        task = _task(config, context)
+        model = _received_model(task, msg)
+        data = task.partition(partition_id)
+        result = checked_evaluation(task.task.evaluate(model, data), str(config["task"]))
     metrics = {key: number for key, value in result.items() if (number := as_number(value)) is not None}
     metrics.setdefault("num-examples", float(len(data[1])))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -31,6 +31,9 @@ from fedge.config import ConfigError, check_types, from_table, read_toml
 __all__ = ["Device", "Fleet", "Link", "load_fleet"]
 
 
+MAX_LATENCY_S = 1e6  # a link's latency, at most (11.6 days): sums of them stay finite
+
+
 @dataclass(frozen=True)
 class Link:
     """A device's access link.
@@ -49,9 +52,12 @@ class Link:
     def __post_init__(self) -> None:
         check_types(self)
         # finite and physical: an infinite latency made every plan infeasible ("no partition fits"), 1e-300
-        # bytes/s a 300-digit latency
-        if not (1.0 <= self.bandwidth_bytes_per_s < math.inf and 0 <= self.latency_s < math.inf):
-            raise ConfigError("bandwidth_bytes_per_s must be >= 1 and latency_s >= 0, both finite")
+        # bytes/s a 300-digit latency, and a finite 1.7e308 s one overflowed to infinity once summed
+        if not (1.0 <= self.bandwidth_bytes_per_s < math.inf and 0 <= self.latency_s <= MAX_LATENCY_S):
+            raise ConfigError(
+                f"bandwidth_bytes_per_s must be >= 1 and finite, latency_s in [0, {MAX_LATENCY_S:g}] s;"
+                f" got {self.bandwidth_bytes_per_s} and {self.latency_s}"
+            )
 
     def seconds(self, nbytes: float) -> float:
         """Time for ``nbytes`` to cross this link once."""

@@ -37,6 +37,10 @@ __all__ = [
     "plan",
 ]
 
+# The dynamic program keeps a value per (subset of devices, cut): 2**devices * cuts states. This many (a
+# 128 MiB table, about ten seconds) is as far as it goes; a larger fleet is planned on a chosen subset.
+MAX_PLANNER_STATES = 1 << 24
+
 
 def plan(
     cost: CostModel,
@@ -65,7 +69,9 @@ def plan(
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    allowed = [cost.fleet.index(name) for name in (devices or [d.name for d in cost.fleet.devices])]
+    if max_stages is not None and max_stages < 1:
+        raise ValueError(f"max_stages must be at least 1 (or None: no limit), got {max_stages}")
+    allowed = _allowed(cost, devices)
     limit = min(max_stages or len(allowed), len(allowed))
     st = StageArrays(cost.a[allowed], cost.b[allowed], cost.min_start[allowed])
     # Throughput starts from the optimum over a coarse subset of cuts (cheap, usually close); the latency
@@ -78,6 +84,24 @@ def plan(
     if objective == "throughput":
         found = min_bottleneck(st, limit, found, 0.0, _lower_latency(st))
     return _to_plan(cost, allowed, found, objective)
+
+
+def _allowed(cost: CostModel, devices: tuple[str, ...] | None) -> list[int]:
+    """The fleet indices of the devices a plan may use; a one-line error for an unknown name, or for more
+    devices than the planner's table holds on this graph."""
+    names = [d.name for d in cost.fleet.devices]
+    unknown = [name for name in devices or () if name not in names]
+    if unknown:
+        raise ValueError(f"no device {unknown[0]!r} in the fleet (it has: {', '.join(names)})")
+    allowed = [names.index(name) for name in dict.fromkeys(devices or names)]
+    cuts = int(cost.a.shape[1])
+    if (1 << len(allowed)) * cuts > MAX_PLANNER_STATES:
+        most = max(1, (MAX_PLANNER_STATES // cuts).bit_length() - 1)
+        raise ValueError(
+            f"{len(allowed)} devices are too many to plan over exactly on a graph of {cuts} cuts (the "
+            f"planner keeps 2**devices x cuts states): plan over at most {most} of them"
+        )
+    return allowed
 
 
 def _to_plan(cost: CostModel, allowed: list[int], segs: Segments, objective: str) -> Plan:

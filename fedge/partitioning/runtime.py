@@ -13,6 +13,7 @@ fight over the cores) and one intra-op thread each by default.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Sequence
@@ -69,6 +70,9 @@ def encode(x: np.ndarray, boundary: str) -> Encoded:
     if boundary == "fp16":
         return Encoded(x.astype(np.float16), "float32")
     lo, hi = float(x.min(initial=0.0)), float(x.max(initial=0.0))
+    if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN or ±inf (an attention mask's -inf, say)
+        # no affine grid holds them: int8 would turn the whole tensor into NaN; it travels as it is
+        return Encoded(x, str(x.dtype))
     scale = (hi - lo) / 255.0 or 1.0
     zero = float(np.round(-lo / scale))
     q = np.clip(np.round(x / scale + zero), 0, 255).astype(np.uint8)

@@ -33,12 +33,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from torch import nn
 
+from fedge.app.seeding import seeded
 from fedge.app.task import PreparedTask, prepare_task
 from fedge.devices.profile import measure_device
 from fedge.split.cut import CutLink
 from fedge.split.messages import Hello, RunSettings, StepReply, StepRequest
 from fedge.split.model import as_chain, segment
-from fedge.split.rounds import StageKeys, batch_order, stage_keys
+from fedge.split.rounds import StageKeys, batch_order, client_round_seed, stage_keys
 from fedge.split.step import FrontStage
 from fedge.split.updates import UPDATE_EF_KEY, encode_update, load_residual, save_residual
 
@@ -116,12 +117,14 @@ def train_full(msg: Message, context: Context) -> Message:
     model.train()
     optimizer = MomentumSGD(list(model.parameters()), settings.learning_rate, settings.momentum)
     total, seen = 0.0, 0
-    for batch in batch_order(len(labels), settings, int(config["server-round"]), partition):
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(model(features[batch]), labels[batch])
-        loss.backward()
-        optimizer.step()
-        total, seen = total + float(loss.detach()) * len(batch), seen + len(batch)
+    server_round = int(config["server-round"])
+    with seeded(client_round_seed(settings, server_round, partition)):  # dropout draws as the driver's
+        for batch in batch_order(len(labels), settings, server_round, partition):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(features[batch]), labels[batch])
+            loss.backward()
+            optimizer.step()
+            total, seen = total + float(loss.detach()) * len(batch), seen + len(batch)
     metrics = MetricRecord({"num-examples": float(len(labels)), "train_loss": total / max(1, seen)})
     content = RecordDict({"metrics": metrics})
     spec = RunSettings.update_codec(config)
@@ -252,7 +255,8 @@ def split_step(msg: Message, context: Context) -> Message:
     order = batch_order(len(labels), settings, request.server_round, partition)
     applied = False
     if request.grad_step >= 0 and request.grad_version == state.version:
-        stage.backward(request.gradient, features=features[order[request.grad_step]])
+        seed = request.server_round * 100003 + request.grad_step  # the seed its forward was given
+        stage.backward(request.gradient, features=features[order[request.grad_step]], seed=seed)
         state.version += 1
         applied = True
     head_step, samples = -1, 0

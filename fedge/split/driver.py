@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fedge.app.seeding import seeded
 from fedge.compression import ErrorFeedback, build_codec, decode
 from fedge.devices.fleet import CATALOGUE, ClientProfile
 from fedge.split.config import RoundRecord, SplitFedConfig, SplitHistory
@@ -39,6 +40,7 @@ from fedge.split.rounds import (
     TensorData,
     average_deltas,
     batch_order,
+    client_round_seed,
     evaluate,
     stage_delta,
     stage_keys,
@@ -202,12 +204,13 @@ class SplitFedRun:
         features, labels = self.data[client]
         total = 0.0
         batches = batch_order(len(labels), self.config, round_, client)
-        for batch in batches:
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(local(features[batch]), labels[batch])
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * len(batch)
+        with seeded(client_round_seed(self.config, round_, client)):  # dropout draws as an engine's client
+            for batch in batches:
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(local(features[batch]), labels[batch])
+                loss.backward()
+                optimizer.step()
+                total += float(loss.detach()) * len(batch)
         state = local.state_dict()
         seen = max(1, sum(len(b) for b in batches))
         return {k: state[k] - start[k] for k in start if start[k].is_floating_point()}, total / seen

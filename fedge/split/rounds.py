@@ -42,10 +42,16 @@ def evaluate(model: nn.Module, data: TensorData) -> tuple[float, float]:
     return loss, float((logits.argmax(dim=1) == labels).float().mean())
 
 
+def client_round_seed(config: SplitFedConfig, round_: int, client: int) -> int:
+    """The seed of client ``client``'s round ``round_``: its batch order, and the random streams its
+    full-model training draws from (:func:`fedge.app.seeding.seeded`), in every process alike."""
+    return (config.seed * 1_000_003 + round_) * 10_007 + client
+
+
 def batch_order(size: int, config: SplitFedConfig, round_: int, client: int) -> list[torch.Tensor]:
     """Client ``client``'s batch indices in round ``round_``: the same for full and split training, and
     the same in every process (a client recomputes its batch ``k`` from these arguments alone)."""
-    generator = torch.Generator().manual_seed((config.seed * 1_000_003 + round_) * 10_007 + client)
+    generator = torch.Generator().manual_seed(client_round_seed(config, round_, client))
     out = []
     for _ in range(config.local_epochs):
         order = torch.randperm(size, generator=generator)

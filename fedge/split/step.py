@@ -13,7 +13,11 @@ back, and the server returns the gradient at the first cut. With ``optimizer=Non
 accumulates gradients (what :func:`split_gradients` compares with unsplit autograd).
 
 A client that lost its pending forward (a new process, a restart between the two messages) recomputes it
-from the batch: :meth:`FrontStage.backward` takes ``features`` for that.
+from the batch: :meth:`FrontStage.backward` takes ``features`` (and the step's seed) for that. Every forward
+draws from random streams seeded by its step's seed (:func:`fedge.app.seeding.seeded`), so the recomputed
+forward is the one that produced the activations, dropout masks included, and the engine computes what
+the in-process driver computes; a recompute leaves the front's buffers (BatchNorm's running statistics) as
+the first forward left them, so they move once per batch.
 """
 
 from __future__ import annotations
@@ -24,11 +28,26 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fedge.app.seeding import seeded
 from fedge.split.cut import CutLink, decode_labels, decode_tensor, encode_labels, sparse_gradient
 
 __all__ = ["BackStage", "FrontStage", "LossFn"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# the random streams of one step's parts (a front and a back with dropout must not share masks)
+_FRONT, _HEAD, _BACK = 1, 2, 3
+
+
+def _buffer_values(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``module``'s buffers and a copy of their values, for :func:`_restore`."""
+    return [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
+
+
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, value in saved:
+            buffer.copy_(value)
 
 
 def _step(optimizer: torch.optim.Optimizer | None) -> None:
@@ -70,7 +89,8 @@ class FrontStage:
         """Run the front on a batch; return the activation payload (the labels travel with
         :meth:`label_payload`). The graph is kept for :meth:`backward`."""
         self.front.train()
-        self._activation = self.front(features)
+        with seeded(seed, _FRONT):
+            self._activation = self.front(features)
         return self.link.activation_up.encode(self._activation, seed=seed)
 
     def label_payload(self, labels: torch.Tensor) -> bytes:
@@ -85,11 +105,12 @@ class FrontStage:
             raise RuntimeError("head_step needs a head (U-shaped variant)")
         self.head.train()
         middle = decode_tensor(payload).requires_grad_(True)
-        loss = self.loss_fn(self.head(middle), labels)
+        with seeded(seed, _HEAD):
+            loss = self.loss_fn(self.head(middle), labels)
         loss.backward()
         return self.link.gradient_up.encode(middle.grad, seed=seed), float(loss.detach())
 
-    def backward(self, payload: bytes, *, features: torch.Tensor | None = None) -> None:
+    def backward(self, payload: bytes, *, features: torch.Tensor | None = None, seed: int = 0) -> None:
         """Apply the gradient at the cut, then step (front and head).
 
         Parameters
@@ -98,13 +119,21 @@ class FrontStage:
             The gradient payload from the coordinator.
         features : torch.Tensor or None (default: None)
             The batch, to recompute the forward when it is no longer held (e.g. after a restart).
+        seed : int (default: 0)
+            The seed the batch's :meth:`forward` was given (a recompute draws what it drew).
         """
+        saved = None
         if self._activation is None:
             if features is None:
                 raise RuntimeError("no pending forward: pass the batch's features to recompute it")
-            self._activation = self.front(features)
+            self.front.train()
+            saved = _buffer_values(self.front)  # the first forward moved them already
+            with seeded(seed, _FRONT):
+                self._activation = self.front(features)
         activation, self._activation = self._activation, None
         activation.backward(decode_tensor(payload).reshape(activation.shape))
+        if saved is not None:  # after the backward: autograd checks the buffers it saw are unchanged
+            _restore(saved)
         _step(self.optimizer)
 
     def discard(self) -> None:
@@ -153,7 +182,8 @@ class BackStage:
         """Activations and labels in; forward, loss, backward, step; the gradient payload at the cut out."""
         self.back.train()
         activation = decode_tensor(payload).requires_grad_(True)
-        loss = self.loss_fn(self.back(activation), decode_labels(labels))
+        with seeded(seed, _BACK):
+            loss = self.loss_fn(self.back(activation), decode_labels(labels))
         loss.backward()
         _step(self.optimizer)
         return link.gradient_down.encode(self._cut_gradient(activation), seed=seed), float(loss.detach())
@@ -163,7 +193,8 @@ class BackStage:
         self.back.train()
         activation = decode_tensor(payload).requires_grad_(True)
         used = copy.deepcopy(self.back) if self.snapshot else self.back
-        output = used(activation)
+        with seeded(seed, _BACK):
+            output = used(activation)
         self._pending[client] = (activation, output, used)
         return link.activation_down.encode(output, seed=seed)
 

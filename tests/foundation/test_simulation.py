@@ -35,6 +35,44 @@ def test_same_seed_same_metrics_other_seed_other_metrics():
     assert [m[:2] for m in first] != [m[:2] for m in other]
 
 
+def test_a_clients_training_draws_the_same_numbers_whatever_the_process_drew_before():
+    """A model with dropout: the local engine's workers run calls in whatever order a round's timing
+    gives, so a call's random draws must come from its own seed, not from the process's generator."""
+    from pathlib import Path
+
+    import torch
+
+    from fedge.app.client_app import app as client_app
+    from fedge.app.server_app import train_config_record
+    from fedge.app.weights import state_record
+    from fedge.protocol.arrays import record_to_numpy
+
+    app = AppConfig(
+        rounds=1, local_epochs=1, task=f"{Path(__file__).with_name('dropout_task.py')}:DropoutTask"
+    )
+    set_task_identity(run_id=1)
+    grid = LocalGrid(client_app, 2, workers=1)  # calls on a thread of this process: its generator is theirs
+    torch.manual_seed(0)
+    from dropout_task import DropoutTask
+
+    weights = state_record(DropoutTask().model())
+    replies = []
+    try:
+        for process_seed in (1, 2):
+            torch.manual_seed(process_seed)
+            before = torch.random.get_rng_state()
+            content = RecordDict({"arrays": weights, "config": train_config_record(app)})
+            (reply,) = grid.send_and_receive(
+                [Message(content, dst_node_id=min(grid.contexts), message_type="train")]
+            )
+            assert torch.equal(torch.random.get_rng_state(), before)  # the process's own stream, given back
+            replies.append(record_to_numpy(reply.content["arrays"]))
+    finally:
+        grid.shutdown()
+    assert all((replies[0][k] == replies[1][k]).all() for k in replies[0])
+    assert any((replies[0][k] != record_to_numpy(weights)[k]).any() for k in replies[0])  # it trained
+
+
 def test_run_writes_metrics_json_and_plots(tmp_path):
     config = SimulationConfig(clients=3, app=AppConfig(rounds=2, local_epochs=1, out_dir=str(tmp_path)))
     run_simulation(config)

@@ -7,6 +7,7 @@ import pytest
 
 from fedge.config import ConfigError
 from fedge.partitioning import CostModel, Device, Fleet, StagePlan, brute_force, evaluate, load_fleet, plan
+from fedge.partitioning.fleet import Link
 from fedge.partitioning.synthetic import random_fleet, random_graph
 
 
@@ -80,3 +81,28 @@ def test_fleet_toml(tmp_path):
     path.write_text('[[device]]\nname = "a"\nflops = 1e9\n')
     with pytest.raises(ConfigError, match="device"):
         load_fleet(path)
+
+
+def test_plan_arguments_are_checked_in_one_line():
+    cost = CostModel(random_graph(6, np.random.default_rng(0)), Fleet((Device("a", 1e9), Device("b", 1e9))))
+    with pytest.raises(ValueError, match="no device 'typo' in the fleet \\(it has: a, b\\)"):
+        plan(cost, "latency", devices=("a", "typo"))
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"max_stages must be at least 1.*got {bad}"):
+            plan(cost, "latency", max_stages=bad)
+    assert plan(cost, "latency", devices=("b", "b")).stages[0].device == "b"  # a repeated name is one device
+
+
+def test_a_fleet_too_large_for_the_exact_planner_is_refused_before_it_allocates():
+    """Its table has 2**devices x cuts entries: 30 devices on a 40-node graph asked for 328 GiB."""
+    rng = np.random.default_rng(1)
+    graph = random_graph(40, rng)
+    cost = CostModel(graph, Fleet(tuple(Device(f"d{i}", 1e9) for i in range(30))))
+    with pytest.raises(ValueError, match=r"30 devices are too many .* plan over at most 18 of them"):
+        plan(cost, "throughput")
+    assert plan(cost, "latency", devices=tuple(f"d{i}" for i in range(4))).feasible
+
+
+def test_a_link_latency_whose_sums_would_overflow_is_refused():
+    with pytest.raises(ConfigError, match="latency_s in \\[0, 1e\\+06\\] s"):
+        Device("a", 1e9, link=Link(1e6, 1.7e308))

@@ -63,3 +63,10 @@ def test_boundary_encodings():
         assert np.abs(decode(e) - x).max() <= tol * np.abs(x).max() + 1e-7
     ids = np.arange(5)
     assert decode(encode(ids, "int8")) is not None and encode(ids, "int8").data.dtype == ids.dtype
+
+
+def test_an_int8_boundary_sends_a_tensor_holding_infinities_or_nan_as_it_is():
+    """An attention mask holds -inf: no affine int8 grid holds it (its scale would be inf, all values NaN)."""
+    mask = np.where(np.arange(8) % 3 == 0, -np.inf, 0.0).astype(np.float32).reshape(2, 4)
+    for x in (mask, np.array([1.0, np.nan, -2.0], np.float32), np.array([np.inf, 0.5], np.float32)):
+        np.testing.assert_array_equal(decode(encode(x, "int8")), x)

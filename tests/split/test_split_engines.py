@@ -25,9 +25,9 @@ from fedge.transport import MqttConfig
 PROFILES = (PI, MCU, PI, MCU)  # two full-model clients, two that the planner splits after the first block
 
 
-def _driver(split: SplitFedConfig) -> dict[str, torch.Tensor]:
+def _driver(split: SplitFedConfig, task: DigitsTask | None = None) -> dict[str, torch.Tensor]:
     """The in-process driver's global model for the same fleet, data and seeds."""
-    task = DigitsTask()
+    task = task or DigitsTask()
     task.prepare(4, alpha=0.5, seed=split.seed)
     data = [task.load_partition(i, 4, alpha=0.5, seed=split.seed) for i in range(4)]
     torch.manual_seed(0)
@@ -58,6 +58,21 @@ def test_local_engine_trains_a_mixed_fleet_as_the_driver_does(grid) -> None:
     assert rounds[1].accuracy > rounds[0].accuracy and rounds[1].loss < rounds[0].loss
     # Same fleet, data and seeds as the in-process driver: the same global model.
     assert _max_diff(coordinator.model.state_dict(), _driver(split)) <= 1e-5
+
+
+def test_a_front_with_dropout_and_batchnorm_trains_as_the_driver_does(grid) -> None:
+    """The split client recomputes a batch's forward when its gradient comes: with the masks the first
+    forward drew, and without moving BatchNorm's statistics twice (full clients' dropout is seeded too)."""
+    split = SplitFedConfig(rounds=1, batch_size=16, variant="v1")
+    task = f"{Path(__file__).with_name('noisy_task.py')}:NoisyFrontTask"
+    coordinator = SplitCoordinator(
+        grid, SplitAppConfig(task=task, split=split, profiles=PROFILES, min_nodes=4)
+    )
+    rounds = coordinator.run()
+    assert rounds[0].split_clients == 2 and rounds[0].split_steps > 0
+    from noisy_task import NoisyFrontTask
+
+    assert _max_diff(coordinator.model.state_dict(), _driver(split, NoisyFrontTask())) <= 1e-5
 
 
 class _LossyGrid:
