@@ -16,6 +16,7 @@ import logging
 import math
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -113,21 +114,28 @@ def export_onnx(model: Any, example_inputs: Any, *, opset: int = OPSET) -> onnx.
             )
     finally:
         model.train(training)
-    _warn_trace_doubts(caught, torch.jit.TracerWarning)
+    _warn_trace_doubts(caught, torch.jit.TracerWarning, Path(torch.__file__).parent)
     return _constants_to_initializers(onnx.load_from_string(buffer.getvalue()))
 
 
-def _warn_trace_doubts(caught: list[warnings.WarningMessage], tracer_warning: type) -> None:
+def _warn_trace_doubts(caught: list[warnings.WarningMessage], tracer_warning: type, torch_dir: Path) -> None:
     """Say, once, that the trace followed the example input's values (a Python branch on a tensor, a
     tensor turned into a number): the exported graph, and every stage cut from it, computes what that
     input took, whatever later inputs would."""
     doubts = [w for w in caught if issubclass(w.category, tracer_warning)]
-    if doubts:
-        first = str(doubts[0].message).splitlines()[0].split(". ")[0]
+    # torch's own layers (nn.LSTM, nn.MultiheadAttention) check shapes in Python while traced: their places
+    # are torch's to vouch for, and a user cannot rewrite them, so only the model's own code is warned of
+    own = [w for w in doubts if not Path(str(w.filename)).is_relative_to(torch_dir)]
+    if len(own) < len(doubts):
+        log.debug("%d trace warning(s) from torch's own layers", len(doubts) - len(own))
+    if own:
+        first = str(own[0].message).splitlines()[0].split(". ")[0]
         log.warning(
-            "the model's trace depends on its example input's values (%d place(s); first: %s): "
+            "the model's trace depends on its example input's values (%d place(s); first: %s:%s: %s): "
             "the exported graph computes what that input took",
-            len(doubts),
+            len(own),
+            Path(str(own[0].filename)).name,
+            own[0].lineno,
             first,
         )
 

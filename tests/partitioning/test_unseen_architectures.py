@@ -87,7 +87,16 @@ def test_a_trace_that_followed_the_example_is_warned_about_and_the_mode_restored
     with caplog.at_level(logging.WARNING, logger="fedge.partitioning"):
         export_onnx(model, torch.randn(2, 4))
     assert "trace depends on its example input's values" in caplog.text
+    assert "test_unseen_architectures.py:" in caplog.text  # the place, in the user's own file
     assert model.training  # the caller's model is left as it was given
+
+
+def test_torchs_own_layers_checking_shapes_while_traced_are_not_warned_about(caplog):
+    """nn.LSTM and nn.MultiheadAttention branch in Python on shapes: nothing a user could rewrite."""
+    lstm = nn.LSTM(8, 16, batch_first=True)
+    with caplog.at_level(logging.WARNING, logger="fedge.partitioning"):
+        export_onnx(lstm, torch.randn(2, 5, 8))
+    assert "trace depends" not in caplog.text
 
 
 class TwoOutputs(nn.Module):
