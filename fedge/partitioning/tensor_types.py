@@ -64,12 +64,24 @@ def measured_types(
             sizes[name] = (per, a.nbytes - 2 * per)
         if a.ndim != b.ndim or a.dtype.hasobject or a.dtype.kind in "SU":
             continue
-        shape: list[int | str] = [
-            a.shape[k] if a.shape[k] == b.shape[k] else ("batch" if k == 0 else f"batch_{k}")
+        shape = [
+            a.shape[k] if a.shape[k] == b.shape[k] else _batch_dim(k, a.shape[k], b.shape[k])
             for k in range(a.ndim)
         ]
         types[name] = helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(a.dtype), shape)
     return types, sizes
+
+
+def _batch_dim(k: int, at_2: int, at_3: int) -> str | None:
+    """The symbol of dimension ``k`` of a tensor that measured ``at_2`` at batch 2 and ``at_3`` at batch 3:
+    ``batch`` (``batch_<k>`` outside dimension 0) when it is the batch, ``batch_x<m>`` when it is ``m``
+    times the batch (attention's batch x heads), else None (unknown). One symbol for sizes that differ
+    made ONNX Runtime warn of a shape mismatch on every run."""
+    if (at_2, at_3) == (2, 3):
+        return "batch" if k == 0 else f"batch_{k}"
+    if at_2 % 2 == 0 and at_3 * 2 == at_2 * 3:
+        return f"batch_x{at_2 // 2}" if k == 0 else f"batch_x{at_2 // 2}_{k}"
+    return None
 
 
 def record_types(model: onnx.ModelProto, types: dict[str, onnx.TypeProto]) -> None:

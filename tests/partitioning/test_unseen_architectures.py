@@ -72,6 +72,21 @@ def test_a_batch_folded_into_another_dimension_is_sized_per_example(tmp_path):
     _run_every_cut(Folded(), torch.randn(2, 8), torch.randn(5, 8), tmp_path)
 
 
+def test_a_dimension_that_is_a_multiple_of_the_batch_gets_a_symbol_of_its_own():
+    """Folded's (2B, 4) tensors are not ``batch`` rows: one symbol for both sizes made ONNX Runtime warn of
+    a shape mismatch on every run of a stage typed from these measurements (a transformer's batch x heads)."""
+    from fedge.partitioning.tensor_types import measured_types
+
+    onnx_model, _, feeds = capture(Folded(), torch.randn(2, 8))
+    types, _ = measured_types(onnx_model, feeds)
+
+    def dims(name: str) -> list:
+        return [d.dim_param or d.dim_value for d in types[name].tensor_type.shape.dim]
+
+    assert dims("/Relu_output_0") == ["batch", 8]
+    assert dims("/Reshape_output_0") == ["batch_x2", 4]
+
+
 class Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
