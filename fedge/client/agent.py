@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from fedge.atomic import write_bytes_atomic
 from fedge.client.agent_config import REFERENCE_TASK, AgentConfig
@@ -208,7 +209,7 @@ class DeviceAgent:
                 else:
                     context = state.context or self._fresh_context(message.metadata.run_id)
                     # The compact envelope where the reply's shape allows: the coordinator derives the rest.
-                    reply_bytes = self._sign(encode_message(self._run_app(message, context)))
+                    reply_bytes = self._sign(_encoded(message, self._run_app(message, context)))
                     expires_at = message.metadata.created_at + message.metadata.ttl
                     state.journal.add(instruction_id, expires_at, time.time(), self._skew_s)
                     self._save_state(context, instruction_id, reply_bytes, state.journal)
@@ -334,3 +335,14 @@ def _safe(message_id: str) -> str:
     MqttGrid's ids are hex and pass unchanged, which the signature and metadata checks rely on (an inbox
     file found after a restart is known by this name only)."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in message_id)[:128]
+
+
+def _encoded(instruction: Message, reply: Message) -> bytes:
+    """``reply``'s bytes; a reply that cannot be encoded (a figure no wire format holds) is answered with
+    an error naming why, at once, so no round waits out its timeout for this node."""
+    try:
+        return encode_message(reply)
+    except Exception as err:  # whatever the app put in its reply, the coordinator hears back
+        log.warning("instruction %s: reply not encodable: %r", instruction.metadata.message_id, err)
+        reason = f"the ClientApp's reply could not be encoded: {type(err).__name__}: {err}"
+        return encode_message(error_reply(instruction, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason))

@@ -175,12 +175,22 @@ def _write_metrics(out: bytearray, metrics: MetricRecord) -> None:
         if isinstance(value, int):
             out.append(_INT)
             put_varint(out, (value << 1) ^ (value >> 63))  # zigzag: small negatives stay short
-        elif not math.isfinite(value) or float(_F32_STRUCT.unpack(_F32_STRUCT.pack(value))[0]) == value:
+        elif _exact_in_float32(value):
             out.append(_F32)  # NaN and infinities survive float32 too
             out += _F32_STRUCT.pack(value)
         else:
             out.append(_F64)
             out += _F64_STRUCT.pack(value)
+
+
+def _exact_in_float32(value: float) -> bool:
+    """Whether float32 holds ``value`` exactly (NaN and infinities included)."""
+    if not math.isfinite(value):
+        return True
+    try:
+        return float(_F32_STRUCT.unpack(_F32_STRUCT.pack(value))[0]) == value
+    except OverflowError:  # beyond float32's range (a diverging loss of 1e39): float64 carries it
+        return False
 
 
 # --- decoding ----------------------------------------------------------------------------------------

@@ -98,6 +98,14 @@ def test_non_finite_metrics_survive() -> None:
     assert metrics["a"] == math.inf and metrics["b"] == -math.inf and math.isnan(metrics["c"])
 
 
+def test_metrics_beyond_float32s_range_travel_as_float64() -> None:
+    """A diverging loss of 1e39 made the reply's encoding raise: a simulation died, an agent never replied."""
+    figures = {"train_loss": 1e39, "num-examples": 1e300, "tiny": -3.4e38 * 10, "small": 5e-324}
+    reply = _reply(b"", figures)
+    assert dict(decode_content(encode_message(reply))["metrics"]) == figures
+    assert wire_size(reply) == len(encode_message(reply))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_garbage_raises_only_envelope_errors(tail: bytes) -> None:
