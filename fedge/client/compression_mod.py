@@ -64,7 +64,7 @@ from fedge.protocol.records import (
     arrays_to_record,
     record_to_arrays,
 )
-from fedge.protocol.reference import advance_reference
+from fedge.protocol.reference import advance_reference, exact_tensors
 
 __all__ = [
     "EF_STATE_KEY",
@@ -192,8 +192,9 @@ class CompressionMod:
                 f"model delta applies to version {instruction.base}; this node holds {held_text}"
             )
         cap = self.max_elements if full else sum(a.size for a in reference.values())
+        exact = exact_tensors(instruction.dtype_map() if full else dtypes)  # as the coordinator's step
         model = advance_reference(
-            reference, instruction.model, full=full, grid=instruction.grid, max_elements=cap
+            reference, instruction.model, full=full, grid=instruction.grid, max_elements=cap, exact=exact
         )
         if full:
             dtypes = {name: "float32" for name in model} | instruction.dtype_map()

@@ -20,6 +20,7 @@ replies: a node that did not answer is assumed to hold nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -28,9 +29,11 @@ import numpy as np
 from fedge.compression import Codec, build_codec
 from fedge.compression.wire import DTYPES
 from fedge.protocol.records import APPROXIMATE, FULL
-from fedge.protocol.reference import advance_reference, snap_to_grid
+from fedge.protocol.reference import advance_reference, beyond_fp16, exact_tensors, snap_to_grid
 
 __all__ = ["FULL_MODEL_CODECS", "DownlinkConfig", "Download", "ModelBroadcast"]
+
+log = logging.getLogger(__name__)
 
 # full-model codec -> (codec spec, reference grid, exact)
 FULL_MODEL_CODECS: dict[str, tuple[str, str, bool]] = {
@@ -102,6 +105,7 @@ class ModelBroadcast:
         self._empty: Download | None = None  # an all-zero delta from this version to itself
         self._full: Download | None = None  # the full model of this version
         self._previous_holders: dict[int, int] = {}  # who held the version before this one
+        self._saturated: set[str] = set()  # tensors already warned of (beyond fp16's range)
 
     def prepare(
         self,
@@ -117,6 +121,8 @@ class ModelBroadcast:
         current version again (same ``model``) advances nothing: see the module docstring.
         """
         dtypes = {name: dtype for name, dtype in (dtypes or {}).items() if dtype in DTYPES}
+        exact = exact_tensors(dtypes)  # integers: exact in every payload, so never on the fp16 grid
+        self._warn_saturated(model, exact)
         node_ids = list(node_ids)
         if version == self.version and self.reference is not None:
             return self._again(node_ids, dtypes)
@@ -128,13 +134,18 @@ class ModelBroadcast:
             delta = Download(previous, self._delta_codec.encode(difference, seed=version, dtypes=dtypes))
             del difference
             self.reference = advance_reference(
-                self.reference, delta.payload, full=False, grid=self.config.grid, max_elements=_size(model)
+                self.reference,
+                delta.payload,
+                full=False,
+                grid=self.config.grid,
+                max_elements=_size(model),
+                exact=exact,
             )
         else:  # nobody holds the old reference: restart it from the model itself, residual cleared
             self.reference = {
                 name: np.array(array, dtype=np.float32, copy=True) for name, array in model.items()
             }
-            snap_to_grid(self.reference, self.config.grid)
+            snap_to_grid(self.reference, self.config.grid, exact)
         self.version = version
         self._previous_holders = {n: v for n, v in self._holders.items() if v == previous}
         self._holders.clear()  # from now on only replies to this round's messages tell who holds what
@@ -143,6 +154,19 @@ class ModelBroadcast:
         if len(up_to_date) < len(node_ids):
             full = self._full_download(dtypes)
         return {node: delta if node in up_to_date else full for node in node_ids}
+
+    def _warn_saturated(self, model: Mapping[str, np.ndarray], exact: frozenset[str]) -> None:
+        """Say once per tensor that the fp16 grid saturates it: clients then hold ±65504 where the
+        coordinator holds more (a normalising constant of 1e5, say); an fp32 full model keeps it whole."""
+        if self.config.grid != "fp16":
+            return
+        for name in beyond_fp16(model, exact | self._saturated):
+            self._saturated.add(name)
+            log.warning(
+                "tensor %s holds values beyond fp16's range: compressed downloads saturate it at ±65504 on"
+                " the clients (set the downlink's full_model_codec to fp32 to send it whole)",
+                name,
+            )
 
     def _again(self, node_ids: list[int], dtypes: Mapping[str, str]) -> dict[int, Download]:
         """Downloads of the current version for nodes that may already hold it, or the one before."""
