@@ -246,10 +246,22 @@ def arrays_to_record(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]
     out = {}
     for name, values in arrays.items():
         dtype = np.dtype(dtypes.get(name, "float32"))
-        if dtype.kind in "iub":
+        if dtype.kind in "iu":  # rounded, and within the dtype's range (a cast beyond it is garbage)
+            values = np.clip(np.rint(np.asarray(values, np.float64)), *_float_range(dtype))
+        elif dtype.kind == "b":
             values = np.rint(values)
         out[name] = np.asarray(values).astype(dtype, copy=False)
     return record_of(out)  # filled item by item: ArrayRecord(dict) builds every Array a second time
+
+
+def _float_range(dtype: np.dtype) -> tuple[float, float]:
+    """The floats whose cast to integer ``dtype`` is exact: its range, the top pulled below ``2**63``
+    (int64's largest value rounds up to it as a float, and that cast wraps to the smallest)."""
+    info = np.iinfo(dtype)
+    top = float(info.max)
+    if int(top) > info.max:
+        top = float(np.nextafter(top, 0.0))
+    return float(info.min), top
 
 
 def as_number(value: Any) -> float | None:

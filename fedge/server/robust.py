@@ -101,7 +101,10 @@ class RobustConfig:
     Statistics (BatchNorm's running means and variances and its batch counter,
     :func:`fedge.server.optimizers.statistics`) take no part in steps 1-5: they move by what each client's
     data says, not by what it learned (a counter's +28 to +48 a round made honest clients near-duplicates
-    and set the median norm), so the kept updates' changes of them are averaged as they are.
+    and set the median norm). The kept updates' changes of them are combined coordinate by coordinate over
+    all ``n`` kept updates, robustly too: their median under ``median``, their trimmed mean (``trim``)
+    under ``trimmed-mean`` and ``mean`` (clipping has no scale for them). Averaged as they were, one client
+    setting ``running_var`` to −1e4 had made the model NaN under every rule.
 
     Order statistics and the share ``c_j / n`` are unweighted (as in Flower's FedMedian and
     FedTrimmedAvg): a client claiming many examples gains nothing. With dense codecs every client sends
@@ -253,9 +256,9 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         running, offset = {}, 0
         for name, array in self._model.items():
             running[name] = delta[offset : offset + array.size].reshape(array.shape)
-            if name in stats:  # what the clients' data says, averaged as it is: no vote, no clipping
-                mean = np.mean([m[name] for m in measured], axis=0, dtype=np.float64)
-                running[name] = mean.astype(array.dtype)
+            if name in stats:  # what the clients' data says: no clipping, but no single client decides it
+                combined = _robust_statistic([m[name] for m in measured], self.robust.rule, self.robust.trim)
+                running[name] = combined.astype(array.dtype)
             offset += array.size
         self.optimizer.step(self._model, running, averaged=stats)
         del running, delta
@@ -336,3 +339,13 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         """StreamingFedAvg's figures, plus ``clipped`` (updates scaled down) and ``senders_per_coordinate``
         (mean number of clients that sent each coordinate some client sent)."""
         return super().round_metrics(server_round) | self._extras.get(server_round, {})
+
+
+def _robust_statistic(deltas: list[np.ndarray], rule: str, trim: float) -> np.ndarray:
+    """The updates' changes of one statistic, combined coordinate by coordinate: the median under
+    ``median``, else the mean once the ``⌊trim · n⌋`` smallest and as many largest are dropped."""
+    stacked = np.stack(deltas).astype(np.float64)
+    if rule == "median":
+        return np.median(stacked, axis=0)
+    cut = int(trim * len(deltas))
+    return np.sort(stacked, axis=0)[cut : len(deltas) - cut].mean(axis=0)

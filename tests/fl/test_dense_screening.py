@@ -145,7 +145,10 @@ def test_a_client_whose_training_diverges_is_rejected_and_the_run_trains_on(stra
     history = run_simulation(SimulationConfig(clients=4, workers=2, app=app))
     assert sum(r.extra["rejected_non_finite"] for r in history.rounds) >= 1
     assert all(r.extra["rejected"] == r.extra["rejected_non_finite"] for r in history.rounds)
-    assert math.isfinite(history.rounds[-1].loss) and history.rounds[-1].accuracy > 0.5
+    # it trains on: which replies share a FedBuff buffer with client 0's (real time, two workers) decides
+    # how many updates each aggregation keeps, so the bar is progress, not a level
+    assert math.isfinite(history.rounds[-1].loss)
+    assert history.rounds[-1].accuracy > history.initial_accuracy + 0.1
 
 
 def test_records_under_each_others_names_do_not_fail_the_round():

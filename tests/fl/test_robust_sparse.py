@@ -269,7 +269,7 @@ def test_under_sign_flip_attackers_the_robust_rule_beats_plain_averaging(caplog)
     assert all(r.extra["clipped"] >= 1 for r in robust.rounds)
 
 
-def test_batchnorm_statistics_are_averaged_apart_from_the_robust_rule():
+def test_batchnorm_statistics_are_combined_apart_from_the_robust_rule():
     """Statistics (a batch counter, running variances) move by what each client's data says: counted in the
     norm, a counter's +28..+48 made honest clients look alike (duplicates) and hid a scaled attacker."""
     model = {
@@ -295,6 +295,37 @@ def test_batchnorm_statistics_are_averaged_apart_from_the_robust_rule():
     report = strategy.round_metrics(1)
     assert report["rejected_norm_outlier"] == 1 and report["duplicates"] == 0
     got = record_to_arrays(arrays)[0]
-    expected_var = 1.0 + np.mean([d["bn.running_var"] for d in deltas[:5]], axis=0)
-    np.testing.assert_allclose(got["bn.running_var"], expected_var, atol=1e-6)  # the plain average
-    assert int(got["bn.num_batches_tracked"]) == 100 + 36  # 28, 32, 36, 40, 44 averaged
+    expected_var = 1.0 + np.median([d["bn.running_var"] for d in deltas[:5]], axis=0)
+    np.testing.assert_allclose(got["bn.running_var"], expected_var, atol=1e-6)  # the median (rule: median)
+    assert int(got["bn.num_batches_tracked"]) == 100 + 36  # the median of 28, 32, 36, 40, 44
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean", "mean"])
+def test_one_client_cannot_set_the_statistics_under_any_robust_rule(rule):
+    """Averaged as they were, one client's running_var of -1e4 made the model NaN under every rule, and a
+    counter of 3e38 wrapped round int64."""
+    model = {
+        "w": RNG.normal(size=(40, 25)).astype(np.float32),
+        "bn.running_var": np.ones(10, np.float32),
+        "bn.num_batches_tracked": np.array(100, np.int64),
+    }
+    codec = build_codec("topk:0.2+int8;min=0")
+    robust = RobustConfig(rule=rule, trim=0.2)
+    strategy = RobustStreamingFedAvg(CompressionConfig(codec.spec), robust=robust, min_available_nodes=10)
+    messages = configured_train(strategy, model, LocalGrid(ClientApp(), 10))
+    direction = RNG.normal(size=(40, 25)).astype(np.float32)
+    deltas = [
+        {
+            "w": (0.05 * (direction + RNG.normal(size=direction.shape))).astype(np.float32),
+            "bn.running_var": RNG.uniform(-0.1, 0.1, size=10).astype(np.float32),
+            "bn.num_batches_tracked": np.array(30, np.int64),
+        }
+        for _ in range(10)
+    ]
+    deltas[3]["bn.running_var"] = np.full(10, -1e4, np.float32)
+    deltas[7]["bn.num_batches_tracked"] = np.array(2**62, np.int64)
+    replies = [_reply(m, codec.encode(d)) for m, d in zip(messages, deltas, strict=True)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    got = record_to_arrays(arrays)[0]
+    assert np.all(np.abs(got["bn.running_var"] - 1.0) <= 0.1)  # within the honest clients' changes
+    assert int(got["bn.num_batches_tracked"]) == 130

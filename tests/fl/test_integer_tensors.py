@@ -1,4 +1,4 @@
-"""Compressed downloads keep integer buffers exact on both sides, and say when fp16 saturates a float."""
+"""Integer tensors stay exact: through compressed downloads on both sides, and when a float is cast back."""
 
 from __future__ import annotations
 
@@ -43,3 +43,14 @@ def test_integer_buffers_reach_clients_exactly_through_full_models_and_deltas(ca
     assert client["scale"][0] == 65504.0
     assert caplog.text.count("tensor scale holds values beyond fp16's range") == 1
     assert "tensor w " not in caplog.text and "offset" not in caplog.text
+
+
+def test_floats_beyond_an_integer_dtypes_range_are_clipped_to_it_not_wrapped():
+    """A cast of 3e38 to int64 is undefined (it came back as the smallest int64); the range's ends stay."""
+    from fedge.protocol.arrays import record_to_numpy
+    from fedge.protocol.records import arrays_to_record
+
+    arrays = {"a": np.array([3e38, -3e38, 5.4], np.float32), "b": np.array([3e38, 7.6, 2**31], np.float32)}
+    got = record_to_numpy(arrays_to_record(arrays, {"a": "int64", "b": "int32"}))
+    assert got["a"][0] > 2**62 and got["a"][1] == np.iinfo(np.int64).min and got["a"][2] == 5
+    assert got["b"].tolist() == [2**31 - 1, 8, 2**31 - 1]
