@@ -146,7 +146,15 @@ def _state_line(current: dict, age: float) -> str:
     state = current.get("state", "running")
     if state == "running":
         # the status is rewritten every two seconds while the coordinator lives
-        return "running" if age < 10 else f"running? (no update for {age:.0f} s: the coordinator may be gone)"
+        if age >= 10:
+            return f"running? (no update for {age:.0f} s: the coordinator may be gone)"
+        short = current.get("waiting_for_nodes")
+        if isinstance(short, dict):  # the fleet fell below what the run needs
+            since = short.get("since")
+            waited = f" for {time.time() - since:.0f} s" if isinstance(since, int | float) else ""
+            online, needed = short.get("online", "?"), short.get("needed", "?")
+            return f"waiting for nodes{waited}: {online} of {needed} online"
+        return "running"
     ended = current.get("ended_at")
     when = f" {time.time() - ended:.0f} s ago" if isinstance(ended, int | float) else ""
     error = f": {current['error']}" if current.get("error") else ""

@@ -45,6 +45,7 @@ from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
 from fedge.server.model_publish import ModelDistributor
+from fedge.server.node_floor import NodeFloorGrid
 from fedge.server.runner import FederatedRun, run_rounds
 from fedge.server.schedule import Schedule
 from fedge.server.schedule_grid import ScheduledGrid
@@ -72,7 +73,8 @@ class ServiceConfig:
     state_dir : str
         Checkpoint, audit log and status file.
     wait_for_nodes_s : float (default: 600)
-        How long to wait for the run's ``min_nodes`` before giving up.
+        How long to wait for the run's ``min_nodes`` before giving up: at the start, and whenever the
+        fleet falls short during the run (:class:`fedge.server.node_floor.NodeFloorGrid`).
     node_stall_s : float or None (default: None)
         Also give up waiting once this long passes without another node coming online (a fleet still
         starting gets ``wait_for_nodes_s``; a stuck one is noticed sooner).
@@ -250,8 +252,12 @@ def _run_service(
             nodes = audit.counted_names(server_round, counted) if counted is not None else None
             audit.commit(server_round, nodes)  # only now do the round's accepted updates count
 
+        # Flower's sampling waits for min_nodes without end: a fleet short for longer than the first wait
+        # allowed ends the run (status.json says what it waits for meanwhile)
+        scheduled = _scheduled(grid, config.schedule)
+        floor = NodeFloorGrid(scheduled, run.min_nodes, config.wait_for_nodes_s, status.waiting)
         return run_rounds(
-            _scheduled(grid, config.schedule),
+            floor,
             run,
             [*listeners, status.on_round],
             resume=resume_point,

@@ -81,6 +81,15 @@ class StatusWriter:
         self._export.update(_export_state(metrics))
         self._write()
 
+    def waiting(self, short: dict[str, Any] | None) -> None:
+        """The fleet is short of the nodes the run needs (``online``, ``needed``, ``since``), or whole again
+        (None): shown as ``waiting_for_nodes`` until then."""
+        if short is None:
+            self._state.pop("waiting_for_nodes", None)
+        else:
+            self._state["waiting_for_nodes"] = short
+        self._write()
+
     def _write(self) -> None:
         online = sorted(self._grid.endpoint.online_nodes())
         status = {
