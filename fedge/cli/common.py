@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import signal
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,11 +39,19 @@ def check_finite(value: float, flag: str) -> float:
     return value
 
 
-def check_out_dir(out: Path) -> None:
-    """Refuse an ``--out`` directory a command could not write into (an existing file), before it starts;
-    a ConfigError, for :func:`config_errors`."""
+def check_out_dir(out: Path, what: str | None = None) -> None:
+    """Refuse an ``--out`` directory a command could not write into (an existing file, a path through a
+    file, a place it may not create or write), before it starts; it is created if missing. ``what`` names
+    it in the error (default ``--out <out>``). A ConfigError, for :func:`config_errors`."""
+    what = what or f"--out {out}"
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory")
+        raise ConfigError(f"{what} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # what writing there takes (root may write where it cannot)
+            pass
+    except OSError as err:  # a parent that is a file, a read-only or virtual file system, no permission
+        raise ConfigError(f"{what}: cannot write there ({err.strerror or err})") from None
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from fedge.cli.common import fail
+from fedge.cli.common import check_out_dir, config_errors, fail
 
 __all__ = ["predict"]
 
@@ -60,6 +60,9 @@ def predict(
         raise fail(f"--model {model} is JSON: give the .onnx file (models/latest.json names the latest one)")
     if out is not None and (out.suffix not in (".csv", ".npy", ".npz") or out.is_dir()):
         raise fail(f"--out {out} must be a .csv, .npy or .npz file")
+    if out is not None:  # before any work: a place it cannot write fails in one line, not after the rows
+        with config_errors():
+            check_out_dir(out.parent, what=f"--out {out}: {out.parent}")
     server = ModelServer(SessionConfig(intra_op_threads=threads, memory_arena=not no_arena))
     loaded = server.load(model)
     if not loaded.ok:

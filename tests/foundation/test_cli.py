@@ -63,6 +63,11 @@ def test_config_file_and_flags_combine(tmp_path):
         (["--broker", "mqtt://127.0.0.1:1"], None, "broker is for the mqtt engine"),
         (["--out", "pyproject.toml"], None, "--out pyproject.toml is a file, not a directory"),
         (
+            ["--out", "pyproject.toml/sub"],
+            None,
+            "--out pyproject.toml/sub: cannot write there (Not a directory)",
+        ),
+        (
             [],
             'strategy = "fedbuff"\n[fleet]\nmix = { pi4_wifi = 1.0 }\n[schedule]\ndeadline_s = 2.0\n',
             "a deadline or over_select does not apply to strategy fedbuff",

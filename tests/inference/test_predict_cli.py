@@ -34,6 +34,18 @@ def test_predict_npy_prints_and_writes(variants, digits_test, tmp_path):
     assert "0\t" in result.stdout and "p99" in result.output and "model r3" in result.output
 
 
+def test_predict_to_a_place_it_cannot_write_is_one_line_before_any_row(variants, digits_test, tmp_path):
+    inputs, blocker = tmp_path / "x.npy", tmp_path / "afile"
+    np.save(inputs, digits_test[0][:3])
+    blocker.write_text("not a directory")
+    out = blocker / "pred.csv"
+    result = runner.invoke(
+        app, ["predict", "--model", str(variants["fp32"][0]), "--input", str(inputs), "--out", str(out)]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: --out {out}: {blocker} is a file, not a directory"
+
+
 def test_predict_csv_rows_are_reshaped_and_json(variants, digits_test, tmp_path):
     inputs = tmp_path / "x.csv"
     np.savetxt(inputs, digits_test[0][:5].reshape(5, 64), delimiter=",")
