@@ -104,6 +104,8 @@ def status(
             raise fail(f"{log} holds no audit events")
         if json_out:
             typer.echo(json.dumps(counted))
+        elif not counted:  # say so: an empty screen reads as a broken command
+            typer.echo("no node's update has counted in any round yet")
         for node, rounds in counted.items() if not json_out else ():
             typer.echo(f"{node:<24} {len(rounds):>4} rounds: {_ranges(rounds)}")
         return

@@ -104,7 +104,7 @@ def write_run_outputs(history: RunHistory, out_dir: str | Path) -> None:
     out_dir = Path(out_dir)
     path = history.write(out_dir)
     rounds = history.to_json()["rounds"]
-    plot_accuracy(rounds, out_dir / "accuracy.png")
+    plot_accuracy(rounds, out_dir / "accuracy.png", initial_accuracy=history.initial_accuracy)
     plot_accuracy_vs_upload({"fedge": rounds}, out_dir / "accuracy_vs_upload.png")
     if any("sim_clock_s" in r for r in rounds):
         plot_accuracy_vs_time({"fedge": rounds}, out_dir / "accuracy_vs_time.png")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,16 +11,27 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on devices or CI
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 __all__ = ["plot_accuracy", "plot_accuracy_vs_time", "plot_accuracy_vs_upload", "plot_timeline"]
 
 _STATUS_COLOURS = {"accepted": "tab:green", "late": "tab:orange", "cut_off": "tab:red"}
 
 
-def plot_accuracy(rounds: Sequence[Mapping[str, Any]], path: Path, title: str = "Test accuracy") -> Path:
-    """Accuracy vs round, from ``metrics.json``-style round rows."""
+def plot_accuracy(
+    rounds: Sequence[Mapping[str, Any]],
+    path: Path,
+    title: str = "Test accuracy",
+    initial_accuracy: float | None = None,
+) -> Path:
+    """Accuracy vs round, from ``metrics.json``-style round rows; ``initial_accuracy`` (the model before
+    round 1) is drawn at round 0 where it is known."""
+    points = [(r["round"], 100 * r["accuracy"]) for r in rounds]
+    if initial_accuracy is not None and math.isfinite(initial_accuracy):
+        points.insert(0, (0, 100 * initial_accuracy))
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["round"] for r in rounds], [100 * r["accuracy"] for r in rounds], marker="o", markersize=3)
+    ax.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no 0.96-1.04 on a short run
     ax.set(xlabel="round", ylabel="accuracy (%)", title=title)
     ax.grid(alpha=0.3)
     return _save(fig, path)

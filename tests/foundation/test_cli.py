@@ -238,6 +238,16 @@ def test_status_audit_of_a_missing_or_damaged_log_is_one_line(tmp_path, log, nee
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_status_audit_says_so_when_no_update_has_counted_yet(tmp_path):
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / "audit.jsonl").write_text('{"event": "run-start", "time": 1.0}\n')
+    path = tmp_path / "c.toml"
+    path.write_text(f'state_dir = "{state}"\n')
+    result = runner.invoke(app, ["status", "--config", str(path), "--audit"])
+    assert result.exit_code == 0 and result.output == "no node's update has counted in any round yet\n"
+
+
 def test_status_of_a_file_that_is_not_a_coordinators_is_one_line(tmp_path):
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "status.json").write_text('{"round": 1}')
