@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from fedge.cli.common import check_out_dir, config_errors, configure_logging, fail
+from fedge.cli.common import check_out_dir, config_errors, configure_logging, fail, interrupt_on_sigterm
 from fedge.config import ConfigError, read_toml
 
 __all__ = ["bench", "parse_task_args", "simulate"]
@@ -96,6 +96,7 @@ def simulate(
 
     from fedge.app.task import load_task, prepare_task
     from fedge.reporting.display import RoundProgress, fleet_table, summary_table
+    from fedge.reporting.history import RoundMetrics, RunHistory
     from fedge.server.runner import RunFailed
     from fedge.simulation.config import SimulationConfig
     from fedge.simulation.engines import run_simulation
@@ -150,10 +151,11 @@ def simulate(
     if sim.app.strategy != "fedavg" or sim.app.attack:
         attack = f", attack {sim.app.attack} by {sim.app.attackers:.0%} of the clients"
         console.print(f"strategy {sim.app.strategy}{attack if sim.app.attack else ''}", highlight=False)
-    completed: list[int] = []
+    completed: list[RoundMetrics] = []
+    stopped_by = interrupt_on_sigterm()  # `kill` ends the run as Ctrl-C does: what it did is kept and shown
     try:
         with RoundProgress(sim.app.rounds, console) as progress:
-            history = run_simulation(sim, listeners=[progress.update, lambda m: completed.append(m.round)])
+            history = run_simulation(sim, listeners=[progress.update, completed.append])
     except RunFailed as err:
         traceback = "first:" in str(err) and "rejected by screening" not in str(err)  # a client's error
         hint = " (-v shows the whole client traceback)" if traceback else ""
@@ -164,9 +166,12 @@ def simulate(
     except ConnectionError as err:  # the mqtt engine's broker
         raise fail(str(err)) from None
     except KeyboardInterrupt:
+        if completed:
+            title = f"fedge simulate ({sim.engine}), interrupted"
+            console.print(summary_table(RunHistory(config={}, rounds=completed), title=title))
         kept = f"; its metrics and plots are in {out}" if completed else ""
         console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
-        raise typer.Exit(130) from None
+        raise typer.Exit(143 if stopped_by else 130) from None
     console.print(summary_table(history, title=f"fedge simulate ({sim.engine})"))
     if (fleet := fleet_table(history)) is not None:
         console.print(fleet)

@@ -386,6 +386,7 @@ def _serve(
     for other in inherited:
         other.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinating process's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's handler (a command's clean stop)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked around the fork by the parent
     if initializer is not None:
         initializer()

@@ -106,7 +106,8 @@ def test_bad_input_in_a_real_process_prints_no_traceback():
     assert proc.stderr.strip() == "error: unknown engine 'quantum'; choose one of: local, ray, mqtt"
 
 
-def test_ctrl_c_keeps_the_completed_rounds(tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_kill_keeps_and_shows_the_completed_rounds(tmp_path, signum, code):
     out = tmp_path / "run"
     command = [
         sys.executable,
@@ -128,9 +129,10 @@ def test_ctrl_c_keeps_the_completed_rounds(tmp_path):
         with contextlib.suppress(subprocess.TimeoutExpired):  # wakes at once if the process ends
             process.wait(timeout=0.1)
             raise AssertionError(f"fedge simulate ended before a round completed: {process.returncode}")
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     output, _ = process.communicate(timeout=60)
-    assert process.returncode == 130, output[-2000:]
+    assert process.returncode == code, output[-2000:]
+    assert "interrupted" in output and "fedge simulate (local), interrupted" in output  # the summary table
     completed = int(re.search(r"interrupted after (\d+) of 500 rounds", output).group(1))  # type: ignore[union-attr]
     assert completed >= 1, output[-2000:]
     assert len(json.loads((out / "metrics.json").read_text())["rounds"]) == completed
