@@ -301,11 +301,17 @@ class ModelExporter:
         return exported
 
     def _start(self, history: RunHistory) -> None:
-        """First call: continue a resumed run's counts, clear exports a killed process left half-written."""
+        """First call: continue a resumed run's counts, clear exports a killed process left half-written,
+        and give back the export of the round the run resumed after: its checkpoint is written before its
+        export, so the history it holds lacks the export's figures (the files are on disk)."""
         self._started = True
         for earlier in history.rounds[:-1]:
             self.failures = int(earlier.extra.get("export_failures", self.failures))
             self.publish_failures = int(earlier.extra.get("export_publish_failures", self.publish_failures))
+        latest = read_latest(self.models_dir.parent)
+        for row in history.rounds[:-1] if latest is not None else ():
+            if row.round == latest.server_round and "export_version" not in row.extra:  # its time is lost
+                row.extra.update(export_version=latest.version, export_failures=self.failures)
         if self.models_dir.is_dir():
             for leftover in self.models_dir.iterdir():
                 if leftover.is_dir() and _TEMPORARY.fullmatch(leftover.name):

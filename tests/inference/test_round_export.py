@@ -223,6 +223,21 @@ def test_pruning_keeps_export_keep_versions_and_a_failure_keeps_the_previous_lat
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["latest.json", "r0002", "r0003"]
 
 
+def test_a_resumed_run_gives_back_the_export_of_the_round_it_resumed_after(tmp_path):
+    """The checkpoint is written before the round's export, so its history lacks the export's figures:
+    the export on disk (latest.json) names it, and the resumed run's first export puts it back."""
+    exporter, model = _linear_exporter(tmp_path, keep=3)
+    history = RunHistory(config={})
+    for server_round in (1, 2):
+        _round(exporter, history, model, server_round)
+    checkpointed = RunHistory(config={}, rounds=[dataclasses.replace(r, extra={}) for r in history.rounds])
+    checkpointed.rounds[0].extra.update(history.rounds[0].extra)  # round 1's figures reached checkpoint 2
+    resumed, _ = _linear_exporter(tmp_path, keep=3)
+    _round(resumed, checkpointed, model, 3)
+    assert [r.extra.get("export_version") for r in checkpointed.rounds] == ["r0001", "r0002", "r0003"]
+    assert "export_s" not in checkpointed.rounds[1].extra  # not on disk: left out, not made up
+
+
 def test_the_version_latest_json_names_is_never_pruned(tmp_path):
     stale = tmp_path / "models" / "r0050"  # an older run's version whose files look newer than ours
     stale.mkdir(parents=True)
