@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ class InferenceAgent:
         self.failed_requests: dict[str, int] = {}
         # Large requests arrive in chunks; partial ones are held per requester under its own budget.
         self._partial = MessageAssembler(config.max_request_bytes, max_open=4, expiry_s=60.0)
+        self._refused: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # oversized requests answered
         self._stop = threading.Event()
         self._status_thread: threading.Thread | None = None
         suffix = f"-{replica}" if replica else ""
@@ -198,6 +199,15 @@ class InferenceAgent:
         self.stop()
 
     # -- requests (paho's thread) ----------------------------------------------------------------------
+    def _refuse_once(self, topic: str, key: bytes) -> bool:
+        """Whether an oversized request is refused now (its first chunk seen), not already answered."""
+        if (topic, key) in self._refused:
+            return False
+        self._refused[(topic, key)] = None
+        while len(self._refused) > 256:  # remembered for a while, within a bound
+            self._refused.popitem(last=False)
+        return True
+
     def _on_request(self, _topic: str, payload: bytes, props: MessageProperties) -> None:
         if not props.response_topic:
             self.requests += 1
@@ -212,6 +222,14 @@ class InferenceAgent:
             try:
                 index, count = parse_chunk(fields[CHUNK_PROPERTY], max_chunks=4096)
                 key = props.correlation_data or b""
+                if (count - 1) * len(payload) > self.config.max_request_bytes and index < count - 1:
+                    if not self._refuse_once(props.response_topic, key):
+                        return  # answered at its first chunk
+                    # said in the requester's terms (the assembler's budget would name its reply topic)
+                    raise ChunkError(
+                        f"the request holds more than {(count - 1) * len(payload)} bytes; this device accepts"
+                        f" at most {self.config.max_request_bytes} (max_request_bytes)"
+                    )
                 whole = self._partial.add(props.response_topic, key, index, count, payload, time.monotonic())
             except ChunkError as err:
                 self.requests += 1

@@ -342,6 +342,24 @@ def test_large_requests_and_answers_travel_in_chunks_and_survive_a_dropped_link(
         assert agent.connection.connects >= 2 and agent.failed_requests == {}
 
 
+def test_a_request_larger_than_the_device_accepts_is_refused_once_in_the_requesters_terms(
+    mqtt, coordinator, variants, digits_test, tmp_path
+):
+    """The assembler's budget error named the requester's reply topic; the refusal names the device's cap."""
+    fp32_path, fp32 = variants["fp32"]
+    _publish(ArtifactPublisher(coordinator, Topics(coordinator.config.fleet)), fp32_path, fp32, "v1")
+    x = np.tile(digits_test[0][:64], (8, 1, 1, 1))  # 128 KiB of inputs, in 2 KiB chunks
+    with (
+        _agent(mqtt, tmp_path, max_request_bytes=32 * 1024) as agent,
+        InferenceClient(mqtt(), chunk_bytes=2048) as client,
+    ):
+        wait_until(lambda: agent.server.serving_version == "v1")
+        with pytest.raises(InferenceError, match=r"this device accepts at most 32768 \(max_request_bytes\)"):
+            client.predict("dev-1", x)
+        np.testing.assert_allclose(client.predict("dev-1", x[:4]).outputs.shape, (4, 10))  # still serving
+        assert agent.failed_requests == {"bad-chunk": 1}  # one refusal, not one per chunk
+
+
 def test_fedge_infer_asks_a_device_and_lists_what_it_serves(
     mqtt, coordinator, variants, digits_test, tmp_path
 ):
