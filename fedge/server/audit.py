@@ -23,14 +23,14 @@ import json
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fedge.protocol.fleet import flower_node_id
 
-__all__ = ["AUDIT_FILE", "AuditLog", "audit_events", "counted_rounds"]
+__all__ = ["AUDIT_FILE", "AuditLog", "audit_events", "counted_rounds", "dropped_counts"]
 
 AUDIT_FILE = "audit.jsonl"
 
@@ -120,6 +120,26 @@ class AuditLog:
 def counted_rounds(path: str | Path) -> dict[str, list[int]]:
     """Per node, the rounds its update counted in, computed from the log (each round at most once)."""
     return {node: sorted(rounds) for node, rounds in sorted(_scan(Path(path))[0].items())}
+
+
+def dropped_counts(path: str | Path) -> Counter[str]:
+    """Replies the coordinator dropped in this run (since the log's last ``run-start``), per reason, from
+    the reports the log holds (each says how many drops it stands for): a resumed coordinator's
+    ``status.json`` goes on from them instead of from zero. Drops not yet reported when the process died
+    (at most a minute's, per node and reason) are not in the log."""
+    counts: Counter[str] = Counter()
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+            kind = event.get("event")
+        except (ValueError, AttributeError):
+            continue
+        if kind == "run-start":
+            counts.clear()
+        elif kind == "rejected" and isinstance(event.get("reason"), str):
+            count = event.get("count", 1)
+            counts[event["reason"]] += count if isinstance(count, int) and count > 0 else 1
+    return counts
 
 
 def audit_events(path: str | Path) -> int:

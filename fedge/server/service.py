@@ -39,7 +39,7 @@ from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import set_task_identity
 from fedge.protocol.fleet import flower_node_id
 from fedge.reporting.history import RoundListener, RunHistory
-from fedge.server.audit import AUDIT_FILE, AuditLog
+from fedge.server.audit import AUDIT_FILE, AuditLog, dropped_counts
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint, set_aside_checkpoint
 from fedge.server.counted import COUNTED_NODES_KEY, COUNTED_VERSIONS_KEY
 from fedge.server.model_delta import DeltaPlanner
@@ -244,6 +244,7 @@ def _run_service(
             audit.start_run()
         else:
             audit.settle(resume_point.completed_round, _counted_record(resume_point.strategy_state))
+            grid.dropped.update(dropped_counts(state_dir / AUDIT_FILE))  # the run's, not this process's
 
         def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
             strategy_state = strategy.state_dict() if hasattr(strategy, "state_dict") else {}

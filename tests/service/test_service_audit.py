@@ -9,7 +9,7 @@ from fedge.app import client_app as reference
 from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
 from fedge.flower.compat import set_task_identity
-from fedge.server.audit import AuditLog, counted_rounds
+from fedge.server.audit import AuditLog, counted_rounds, dropped_counts
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
 from fedge.simulation.local_grid import LocalGrid
 
@@ -94,3 +94,28 @@ def test_a_commit_naming_nodes_counts_only_those(tmp_path: Path) -> None:
         record = {flower_node_id("a"): 1, flower_node_id("b"): 1, flower_node_id("c"): 0}
         log.commit(1, log.counted_names(1, record))  # c's reply was rejected by screening
     assert counted_rounds(path) == {"a": [1], "b": [1]}
+
+
+def test_a_resumed_coordinator_counts_the_runs_drops_from_the_log(tmp_path: Path) -> None:
+    """status.json's dropped_replies had restarted from zero with every resume (the audit held them)."""
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.write(
+            {"event": "rejected", "node": "old", "round": "1", "reason": "late", "count": 9, "time": 0.0}
+        )
+        log.start_run()  # a fresh run in the same directory: counting starts again
+        for count in (1, 4):
+            log.write(
+                {
+                    "event": "rejected",
+                    "node": "a",
+                    "round": "?",
+                    "reason": "unknown-instruction",
+                    "count": count,
+                }
+            )
+        log.write({"event": "rejected", "node": "b", "round": "2", "reason": "late"})  # older logs: no count
+        _accept(log, "a", 2)
+    with path.open("a") as handle:
+        handle.write("not json\n")
+    assert dropped_counts(path) == {"unknown-instruction": 5, "late": 1}
