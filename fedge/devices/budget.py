@@ -71,7 +71,8 @@ def upload_budget_bytes(
         return link.latency_s + (nbytes + resent) / link.uplink_bytes_per_s + n * link.reconnect_s
 
     # seconds() increases with nbytes, so bisect between 0 and the bare link's capacity.
-    lo, hi = 0, max(0, int((time_left_s - link.latency_s) * link.uplink_bytes_per_s))
+    capacity = (time_left_s - link.latency_s) * link.uplink_bytes_per_s  # inf for an endless deadline
+    lo, hi = 0, int(min(capacity, 1 << 62)) if capacity > 0 else 0
     if hi == 0 or seconds(overhead_bytes + 1) > time_left_s:
         return 0
     if seconds(hi) <= time_left_s:

@@ -270,7 +270,8 @@ def select_replies(
         if isinstance(timing, ClientTiming):
             arrival, lost = timing.arrival_s, timing.cut_off
         else:
-            arrival, lost = float(timing), math.isinf(timing)
+            arrival, lost = float(timing), False
+        lost = lost or not math.isfinite(arrival)  # a reply at t = inf (or NaN) never comes
         (cut if lost else arrived).append((arrival, client))
     arrived.sort(key=lambda pair: pair[0])  # stable: ties keep the mapping's order
     in_time = [(a, c) for a, c in arrived if a <= limit]

@@ -142,8 +142,10 @@ class LinkProfile:
             if not 1.0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be >= 1 and finite, got {getattr(self, name)}")
         for name in ("latency_s", "reconnect_s"):  # an infinite one put replies at t = inf, "accepted"
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ConfigError(f"{name} must be >= 0 and finite, got {getattr(self, name)}")
+            # and a finite 1e308 did too, once the clock added it to something
+            if not 0 <= getattr(self, name) <= MAX_LINK_SECONDS:
+                value = getattr(self, name)
+                raise ConfigError(f"{name} must be in [0, {MAX_LINK_SECONDS:g}] seconds, got {value}")
         for name in ("disconnects_per_s", "disconnects_per_mb"):  # beyond, the Poisson draw overflows
             if not 0 <= getattr(self, name) <= _MAX_DISCONNECT_RATE:
                 raise ConfigError(
@@ -175,6 +177,7 @@ class ClientProfile:
         check_types(self)
 
 
+MAX_LINK_SECONDS = 1e6  # a link's latency or reconnect time, at most (11.6 days): sums stay finite
 _MAX_DISCONNECT_RATE = 1000.0  # per second or per MB: a link that drops a thousand times a second is down
 
 MiB = 2**20

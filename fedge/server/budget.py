@@ -28,6 +28,9 @@ VALUE_STAGES: Mapping[int, tuple[str, float]] = {8: ("int8", 8 + 32 / 256), 4: (
 """Bit width -> (value stage of the spec, bits per kept value including the blocks' float32 scales)."""
 
 
+MAX_DEADLINE_S = 1e7  # about 116 days: an upload's budget beyond it is no budget, and inf overflowed
+
+
 @dataclass(frozen=True)
 class UploadBudget:
     """Choose each client's uplink codec so that its upload fits the round's deadline.
@@ -87,8 +90,10 @@ class UploadBudget:
     default_codec: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.deadline_s > 0:
-            raise CodecConfigError(f"budget deadline_s must be > 0, got {self.deadline_s}")
+        if not 0 < self.deadline_s <= MAX_DEADLINE_S:  # infinity, or a figure the byte count overflows on
+            raise CodecConfigError(
+                f"budget deadline_s must be in (0, {MAX_DEADLINE_S:g}] seconds, got {self.deadline_s}"
+            )
         if not 0 < self.fraction <= 1:
             raise CodecConfigError(f"budget fraction must be in (0, 1], got {self.fraction}")
         if not 0 < self.min_density <= self.max_density <= 1:

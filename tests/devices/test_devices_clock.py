@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
+from fedge.config import ConfigError
 from fedge.devices import (
     CATALOGUE,
     ClientProfile,
@@ -104,6 +106,21 @@ def test_deadline_selection():
     assert out.end_s == 2.0  # everyone replied: no need to wait for the deadline
     out = select_replies(arrivals, round_start_s=0.0)
     assert out.accepted == ("b", "a", "c") and out.end_s == 8.0
+
+
+def test_a_reply_at_an_infinite_or_undefined_time_never_comes():
+    """A link of 1e308 s latency passed validation, and its replies came at t = inf, "accepted"."""
+    ok = time_client(CLIENT, start_s=0.0, **ROUND)
+    never = dataclasses.replace(ok, arrival_s=math.inf)
+    undefined = dataclasses.replace(ok, arrival_s=math.nan)
+    out = select_replies({"ok": ok, "never": never, "nan": undefined}, round_start_s=0.0)
+    assert out.accepted == ("ok",) and set(out.cut_off) == {"never", "nan"} and math.isfinite(out.end_s)
+
+
+def test_a_link_figure_whose_sums_would_overflow_is_refused():
+    for field in ("latency_s", "reconnect_s"):
+        with pytest.raises(ConfigError, match=rf"{field} must be in \[0, 1e\+06\] seconds, got 1e\+308"):
+            LinkProfile(1e6, 1e6, **{field: 1e308})
 
 
 def test_over_selection_keeps_the_first_k():

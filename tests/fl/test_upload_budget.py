@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from fl_helpers import configured_train
@@ -13,6 +15,7 @@ from fedge.app.config import AppConfig
 from fedge.app.server_app import run_federated
 from fedge.app.task import prepare_task
 from fedge.compression import CodecConfigError, Schema, bind, build_codec, decode
+from fedge.devices.budget import upload_budget_bytes
 from fedge.devices.fleet import CATALOGUE, ClientProfile, FleetConfig, LinkProfile, mbit_per_s
 from fedge.flower.compat import set_task_identity
 from fedge.protocol.records import INSTRUCTION_KEY, UPDATE_KEY, record_to_arrays
@@ -67,6 +70,10 @@ def test_a_narrower_bit_width_below_the_threshold_and_unknown_links_get_the_defa
         UploadBudget(deadline_s=10.0, bit_widths=(3,))
     with pytest.raises(CodecConfigError):
         UploadBudget(deadline_s=0.0)
+    for endless in (math.inf, 1e308):  # passed, then round 1 died converting infinite bytes to an int
+        with pytest.raises(CodecConfigError, match=r"deadline_s must be in \(0, 1e\+07\] seconds"):
+            UploadBudget(deadline_s=endless)
+    assert upload_budget_bytes(FAST, math.inf) > 0  # the byte count itself survives an endless time
 
 
 class _LinkedGrid(LocalGrid):
