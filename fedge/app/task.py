@@ -295,10 +295,13 @@ class PreparedTask:
         return data
 
     def test_set(self) -> TensorData:
-        """The task's held-out test split for this run."""
-        return checked_data(
+        """The task's held-out test split for this run (at least one row)."""
+        features, labels = checked_data(
             self.task.test_set(self.num_partitions, alpha=self.alpha, seed=self.seed), "test_set()"
         )
+        if len(labels) == 0:  # every round would report 0 % and a loss of 0.0: figures of nothing
+            raise TaskContractError("test_set() returned no rows: there is nothing to measure the model on")
+        return features, labels
 
 
 def _may_reuse(task: Task) -> bool:

@@ -225,6 +225,12 @@ class ShortLabels(DigitsTask):
         return features, labels[:-3]
 
 
+class EmptyTestSet(DigitsTask):  # every round reported 0 % and a loss of 0.0, and the run succeeded
+    def test_set(self, num_partitions, *, alpha, seed):
+        features, labels = super().test_set(num_partitions, alpha=alpha, seed=seed)
+        return features[:0], labels[:0]
+
+
 class TensorMetrics(DigitsTask):  # 0-d tensors are numbers too
     def evaluate(self, model, data):
         return {k: torch.tensor(v) for k, v in super().evaluate(model, data).items()}
@@ -238,6 +244,7 @@ class TensorMetrics(DigitsTask):  # 0-d tensors are numbers too
         ("TestSetRaises", "TestSetRaises: test_set() raised FileNotFoundError: test.csv not found"),
         ("DictOutput", "DictOutput: evaluate() raised TypeError: "),
         ("ShortLabels", "test_set() returned [359] feature rows but 356 labels"),
+        ("EmptyTestSet", "test_set() returned no rows: there is nothing to measure the model on"),
         ("TensorMetrics", None),
     ],
 )
