@@ -75,6 +75,11 @@ class SimulationConfig:
             raise ConfigError(f"clients must be >= 1, got {self.clients!r}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers!r}")
+        if self.app.min_nodes > self.clients:  # it was silently lowered to the clients there are
+            raise ConfigError(
+                f"min_nodes ({self.app.min_nodes}) exceeds clients ({self.clients}): a simulation cannot wait"
+                " for clients it does not have (its rounds sample from all of them)"
+            )
         check_schedule_for(self.app.strategy, self.schedule)
         if self.broker and self.engine != "mqtt":
             raise ConfigError(f"broker is for the mqtt engine; this run's engine is {self.engine}")

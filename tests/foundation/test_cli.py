@@ -53,6 +53,7 @@ def test_config_file_and_flags_combine(tmp_path):
         (["--workers", "0"], None, "workers must be"),
         (["--alpha", "0"], None, "alpha must be > 0"),
         (["--rounds", "0"], None, "rounds must be >= 1"),
+        (["--clients", "3"], "min_nodes = 5\n", "min_nodes (5) exceeds clients (3)"),
         ([], "clients = 4\nroundz = 3\n", "unknown key 'roundz'"),
         ([], "alpha = -1.0\n", "alpha must be > 0"),
         ([], "clients = 'many'\n", "clients must be int"),
