@@ -29,10 +29,18 @@ __all__ = ["STRATEGIES", "AppConfig"]
 _PRESET_DEFAULTS = {"codec": "", "downlink_codec": "", "server_lr": 1.0, "ef_momentum": 0.0}
 """What the fields a preset sets hold when neither they nor ``compress`` say otherwise."""
 
-RUN_CONFIG_UNSET = {"codec": "", "downlink_codec": "", "server_lr": 0.0, "ef_momentum": -1.0}
+RUN_CONFIG_UNSET = {
+    "codec": "",
+    "downlink_codec": "",
+    "server_lr": 0.0,
+    "ef_momentum": -1.0,
+    "max_weight_ratio": -1.0,
+    "export_every": -1,
+}
 """Flower's run config has no None, and ``flwr run`` takes only the keys the app declares (with a value):
-these values of the preset's fields mean "unset" there (``pyproject.toml`` declares them), so a ``compress``
-preset still chooses them."""
+these values mean "unset" there (``pyproject.toml`` declares them), so a ``compress`` preset still chooses
+the fields it sets, the weight screen keeps its default for the codec, and whoever runs the app decides
+how often it exports."""
 
 ADAM_SERVER_LR = 0.1
 """``server_lr`` of ``server_optimizer = "adam"`` when none is given, whatever the preset: Adam's steps
@@ -116,6 +124,11 @@ class AppConfig:
         ``sparse-*``) and off for ``fedavg`` and ``fedbuff``: on non-IID clients the honest updates of the
         ones the model fits worst are the largest, and a norm test rejects exactly them, round after round
         (on the heterogeneity bench's fleet, 1.8 replies a round, and 1.4 points of final accuracy).
+    max_weight_ratio : float, optional
+        Replies whose ``num-examples`` exceeds this multiple of the round's median are rejected
+        (``weight_outlier``; 0: off). Unset, it is 100 for uncompressed replies and 10 for compressed ones.
+        Raise it for a fleet whose honest partitions differ more than that in size (a Dirichlet split at
+        α = 0.01, say): the test cannot tell them from a client claiming examples it does not have.
     max_similarity : float (default: 0.99)
         ``sparse-*`` strategies: updates whose cosine reaches this are one group (colluders sending one
         vector), aggregated once (:class:`fedge.server.RobustConfig`); > 1 turns the test off.
@@ -188,6 +201,7 @@ class AppConfig:
     ef_momentum: float | None = None
     ef_residual_cap: float = 0.0
     max_norm_ratio: float | None = None
+    max_weight_ratio: float | None = None
     max_similarity: float = 0.99
     max_failed_rounds: int = 3
     target_accuracy: float = 0.0
@@ -312,6 +326,10 @@ class AppConfig:
             (0.0 <= self.ef_momentum < 1.0, "ef_momentum must be in [0, 1)"),
             (self.ef_residual_cap >= 0.0, "ef_residual_cap must be >= 0 (0: uncapped)"),
             (self.max_norm_ratio == 0.0 or self.max_norm_ratio > 1.0, "max_norm_ratio must be > 1 (0: off)"),
+            (
+                self.max_weight_ratio is None or self.max_weight_ratio == 0.0 or self.max_weight_ratio > 1.0,
+                "max_weight_ratio must be > 1 (0: off)",
+            ),
             (self.max_similarity > 0.0, "max_similarity must be > 0 (> 1: off)"),
         ]
         for ok, message in checks:

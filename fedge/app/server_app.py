@@ -123,7 +123,8 @@ def build_strategy(config: AppConfig) -> Strategy:
     flower = rule(**sampling)
     if not config.codec:  # malformed, non-finite and absurd replies are rejected, not aggregated
         max_norm_ratio = config.max_norm_ratio or math.inf
-        return ScreenedStrategy(flower, ReplyScreen(max_norm_ratio, max_weight_ratio=DENSE_MAX_WEIGHT_RATIO))
+        weight_ratio = _weight_ratio(config, DENSE_MAX_WEIGHT_RATIO)
+        return ScreenedStrategy(flower, ReplyScreen(max_norm_ratio, max_weight_ratio=weight_ratio))
     compression = _compression(config)
     optimizer = ServerOptimizer(
         config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum
@@ -152,9 +153,19 @@ def _compression(config: AppConfig) -> CompressionConfig:
         ef_momentum=config.ef_momentum,
         ef_residual_cap=config.ef_residual_cap or None,
         downlink=downlink,
-        screen=ReplyScreen(max_norm_ratio=config.max_norm_ratio or math.inf),
+        screen=ReplyScreen(
+            max_norm_ratio=config.max_norm_ratio or math.inf,
+            max_weight_ratio=_weight_ratio(config, ReplyScreen.max_weight_ratio),
+        ),
         budget=from_table(UploadBudget, config.upload_budget) if config.upload_budget else None,
     )
+
+
+def _weight_ratio(config: AppConfig, default: float) -> float:
+    """The weight-outlier threshold ``config`` asks for: its own, else ``default``; 0 turns it off."""
+    if config.max_weight_ratio is None:
+        return default
+    return config.max_weight_ratio or math.inf
 
 
 def _fedbuff(config: AppConfig) -> FedBuffStrategy:

@@ -168,6 +168,30 @@ def test_the_norm_screen_is_on_by_default_only_for_untrusted_client_strategies(s
     assert build_strategy(config).channel.config.screen.max_norm_ratio == ratio
 
 
+@pytest.mark.parametrize(
+    ("settings", "ratio"),
+    [
+        ({}, 100.0),  # uncompressed replies: a fleet's honest partitions may differ tens of times
+        ({"max_weight_ratio": 400.0}, 400.0),
+        ({"codec": "fp32"}, 10.0),
+        ({"codec": "fp32", "max_weight_ratio": 50.0}, 50.0),  # honest skewed partitions (alpha 0.01)
+        ({"codec": "fp32", "max_weight_ratio": 0.0}, math.inf),
+    ],
+)
+def test_the_weight_screen_is_a_setting(settings, ratio):
+    """Honest clients holding 20x the median's data were rejected every round under a codec, with no
+    setting to say that is how the fleet is."""
+    from fedge.app.server_app import build_strategy
+
+    config = AppConfig(**settings)
+    assert AppConfig.from_run_config(config.to_run_config()) == config
+    strategy = build_strategy(config)
+    screen = strategy.channel.config.screen if config.codec else strategy.screen
+    assert screen.max_weight_ratio == ratio
+    with pytest.raises(ConfigError, match=r"max_weight_ratio must be > 1 \(0: off\)"):
+        AppConfig(**{**settings, "max_weight_ratio": 0.5})
+
+
 LOSS_ONLY_TASK = """
 from fedge.app.task import DigitsTask
 
