@@ -52,6 +52,7 @@ from fedge.server.channel import CompressedChannel, CompressionConfig
 from fedge.server.counted import CHANNEL_KEYS
 from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer, statistics
+from fedge.server.round_figures import average_train_metrics
 from fedge.server.runner import RunFailed, error_summary
 from fedge.server.screening import REJECTION_REASONS, Rejected, screen_dense_reply
 
@@ -116,6 +117,7 @@ class FedBuffStrategy(Strategy):
         self._in_flight: dict[str, _Dispatch] = {}  # message id -> dispatch, until its reply is pulled
         self._arrived: dict[str, _Dispatch] = {}  # message id -> dispatch, while its reply is buffered
         self._metrics: dict[int, dict[str, float]] = {}
+        self.train_metrics: dict[int, MetricRecord | None] = {}  # version -> counted clients' train figures
         self._first_version = 0  # the version start() begins at: a resumed run's checkpointed round
         self._rng = random.Random()  # which idle nodes train; seeded from ``random`` by start()
 
@@ -192,6 +194,8 @@ class FedBuffStrategy(Strategy):
             "in_flight": len(self._in_flight),
         }
         self._metrics[self.state.version] = metrics
+        contents = [sent[node][0].content for node in counted]  # what the counted clients' train() said
+        self.train_metrics[self.state.version] = average_train_metrics(contents, self.weighted_by_key)
         return self._record, MetricRecord({f"fedge.{k}": float(v) for k, v in metrics.items()})
 
     def configure_evaluate(

@@ -13,12 +13,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.app import MetricRecord
+from flwr.app import MetricRecord, RecordDict
 
 from fedge.protocol.records import as_number
 from fedge.reporting.history import RoundMetrics
 
-__all__ = ["evaluation_figures", "train_figures"]
+__all__ = ["average_train_metrics", "evaluation_figures", "train_figures"]
 
 log = logging.getLogger("fedge.server.runner")
 
@@ -33,6 +33,21 @@ def train_figures(metrics: MetricRecord | None) -> dict[str, float]:
         if isinstance(value, int | float):
             extras[key if key.startswith("train") else f"train_{key}"] = float(value)
     return extras
+
+
+def average_train_metrics(contents: list[RecordDict], weight_key: str) -> MetricRecord | None:
+    """The replies' train metrics averaged, weighted by ``weight_key`` (as Flower's FedAvg aggregates
+    them), for a strategy that aggregates in its own loop: the numbers every reply's first MetricRecord
+    holds; None without replies or weights."""
+    records = [next(iter(c.metric_records.values()), None) for c in contents]
+    records = [r for r in records if r is not None and isinstance(r.get(weight_key), int | float)]
+    total = sum(float(r[weight_key]) for r in records)
+    if not records or not total > 0:
+        return None
+    shared = set.intersection(*(set(r) for r in records)) - {weight_key}
+    numbers = [k for k in sorted(shared) if all(isinstance(r[k], int | float) for r in records)]
+    weighted = [(r, float(r[weight_key])) for r in records]
+    return MetricRecord({k: sum(float(r[k]) * w for r, w in weighted) / total for k in numbers})
 
 
 _NOT_NUMBERS: set[str] = set()  # the task's figures already warned about as not numbers

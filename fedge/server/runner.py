@@ -212,8 +212,12 @@ def run_rounds(
                 )
             for key, value in evaluation_figures(result).items():  # fedge's own figures keep their names
                 metrics.extra.setdefault(key, value)
-            if isinstance(strategy, _RoundOffset):
-                for key, value in train_figures(strategy.train_metrics.pop(server_round, None)).items():
+            # Flower's loop hands train metrics to _RoundOffset; a strategy with a loop of its own (FedBuff)
+            # keeps them by round itself
+            keeper = strategy if isinstance(strategy, _RoundOffset) else reporter
+            trained = getattr(keeper, "train_metrics", None)
+            if isinstance(trained, dict):
+                for key, value in train_figures(trained.pop(server_round, None)).items():
                     metrics.extra.setdefault(key, value)
             if run.round_extras is not None:
                 metrics.extra.update(run.round_extras())

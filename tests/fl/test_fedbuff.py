@@ -116,6 +116,9 @@ def test_with_k_equal_to_c_equal_to_the_clients_a_run_is_fedavg():
     np.testing.assert_allclose([r.loss for r in runs["fedbuff"]], [r.loss for r in runs["fedavg"]], rtol=1e-5)
     assert [r.extra["staleness_max"] for r in runs["fedbuff"]] == [0, 0]
     assert all(r.clients_replied == r.extra["accepted"] == 4 for r in runs["fedbuff"])
+    # the clients' train figures, averaged by examples as Flower's FedAvg does (FedBuff recorded none)
+    train_loss = {name: [r.extra["train_loss"] for r in rounds] for name, rounds in runs.items()}
+    np.testing.assert_allclose(train_loss["fedbuff"], train_loss["fedavg"], rtol=1e-6)
 
 
 def test_with_fewer_clients_than_k_the_buffer_is_aggregated_once_every_client_is_in_it():
@@ -156,6 +159,7 @@ def test_identical_seeds_give_identical_metrics_and_simulated_times_compressed()
     assert figures(first) == figures(second)
     assert first.rounds[-1].extra["sim_clock_s"] > 0 and first.rounds[-1].accuracy > first.initial_accuracy
     assert all(r.extra["accepted"] == 2 and r.extra["compression_ratio"] > 1 for r in first.rounds)
+    assert all(r.extra["train_loss"] > 0 for r in first.rounds)
 
 
 def test_which_nodes_train_does_not_depend_on_other_threads_drawing_from_random():
