@@ -34,13 +34,15 @@ RUN_CONFIG_UNSET = {
     "downlink_codec": "",
     "server_lr": 0.0,
     "ef_momentum": -1.0,
+    "max_norm_ratio": -1.0,
     "max_weight_ratio": -1.0,
     "export_every": -1,
 }
 """Flower's run config has no None, and ``flwr run`` takes only the keys the app declares (with a value):
 these values mean "unset" there (``pyproject.toml`` declares them), so a ``compress`` preset still chooses
-the fields it sets, the weight screen keeps its default for the codec, and whoever runs the app decides
-how often it exports."""
+the fields it sets, the norm and weight screens keep their defaults for the strategy and codec (a declared
+0.0 had turned the norm screen off under ``flwr run`` for the strategies meant for untrusted clients), and
+whoever runs the app decides how often it exports."""
 
 ADAM_SERVER_LR = 0.1
 """``server_lr`` of ``server_optimizer = "adam"`` when none is given, whatever the preset: Adam's steps

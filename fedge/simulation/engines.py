@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedge.app.client_app import app as client_app
@@ -21,6 +21,7 @@ from fedge.reporting.history import RoundListener, RunHistory
 from fedge.simulation.config import SimulationConfig
 from fedge.simulation.fleet import clocked_grid
 from fedge.simulation.local_grid import LocalGrid
+from fedge.simulation.partition_order import PartitionOrderedGrid, partition_ids
 
 __all__ = ["run_simulation"]
 
@@ -112,11 +113,12 @@ def _run_flower_simulation(
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        if config.fleet is not None:  # the clock needs every node's id: wait until all have registered
-            deadline = time.monotonic() + 600
-            while len(nodes := sorted(grid.get_node_ids())) < config.clients and time.monotonic() < deadline:
-                time.sleep(0.1)
-            grid = clocked_grid(grid, config, task, _partition_ids(grid, nodes))
+        # every node's partition (the clock's clients; the order samples are drawn in): wait for all of them
+        deadline = time.monotonic() + 600
+        while len(nodes := sorted(grid.get_node_ids())) < config.clients and time.monotonic() < deadline:
+            time.sleep(0.1)
+        partition_of = partition_ids(grid, nodes)
+        grid = clocked_grid(PartitionOrderedGrid(grid, partition_of), config, task, partition_of)
         histories.append(run_federated(grid, app_config, listeners, num_partitions=config.clients))
 
     cpus = os.cpu_count() or 1
@@ -132,18 +134,3 @@ def _run_flower_simulation(
     if not histories:
         raise RuntimeError("Flower's simulation engine ended without running the ServerApp")
     return histories[0]
-
-
-def _partition_ids(grid: Grid, nodes: list[int]) -> dict[int, int]:
-    """Each node's partition id, asked of the node itself: Flower's engine draws node ids at random, so the
-    order of the ids says nothing of which client (profile, availability, data) a node is."""
-    queries = [Message(RecordDict(), node, "query.partition") for node in nodes]
-    replies = list(grid.send_and_receive(queries, timeout=600))
-    answered = {
-        reply.metadata.src_node_id: int(reply.content["node"]["partition-id"])
-        for reply in replies
-        if not reply.has_error()
-    }
-    if sorted(answered) != sorted(nodes) or sorted(answered.values()) != list(range(len(nodes))):
-        raise RuntimeError(f"{len(answered)} of {len(nodes)} nodes told their partition id")
-    return answered

@@ -22,6 +22,10 @@ def test_the_declared_values_are_the_defaults_and_unset_keys_leave_presets_their
     for preset in ("light", "strong", "max"):
         flower = AppConfig.from_run_config({**DECLARED, "compress": preset})
         assert flower == AppConfig(rounds=3, min_nodes=4, compress=preset), preset
+    for strategy, codec in (("median", ""), ("sparse-median", "fp32"), ("fedavg", "")):
+        flower = AppConfig.from_run_config({**DECLARED, "strategy": strategy, "codec": codec})
+        expected = AppConfig(strategy=strategy, codec=codec).max_norm_ratio  # fedge simulate's default
+        assert flower.max_norm_ratio == expected, strategy  # a declared 0.0 had turned the screen off
     adam = {**DECLARED, "server-optimizer": "adam", "codec": "fp32"}
     expected = AppConfig(server_optimizer="adam", codec="fp32").server_lr
     assert AppConfig.from_run_config(adam).server_lr == expected

@@ -144,15 +144,20 @@ def test_a_schedule_or_availability_without_a_fleet_is_refused():
 
 
 @pytest.mark.slow
-def test_ray_gives_each_client_the_profile_of_its_own_partition_as_the_local_engine_does():
+def test_ray_samples_the_clients_the_local_engine_does_each_with_its_own_profile():
     """Flower's engine draws node ids at random: numbering clients by sorted node id paired profiles and
-    availability with arbitrary partitions, so Ray's simulated times differed from the local engine's."""
-    app = AppConfig(rounds=1, local_epochs=1, alpha=0.3)  # unequal partitions: each client's compute differs
+    availability with arbitrary partitions, and a seeded sample over its ids chose other clients than the
+    local engine's, and other ones again on the next Ray run."""
+    # unequal partitions (each client's compute differs), half the clients sampled each round
+    app = AppConfig(rounds=2, local_epochs=1, alpha=0.3, fraction_train=0.5)
     fleet = FleetConfig(mix={"pi4_wifi": 0.5, "phone_lte": 0.5}, seed=2)
-    timings, environment = {}, dict(os.environ)
+    timings, accuracies, environment = {}, {}, dict(os.environ)
     for engine in ("local", "ray"):
-        history = run_simulation(SimulationConfig(clients=4, workers=2, engine=engine, app=app, fleet=fleet))
-        timings[engine] = sorted((row["client"], row["compute_s"]) for row in history.rounds[0].timeline)
-    assert len({compute for _, compute in timings["local"]}) == 4  # the pairing shows in every figure
-    assert timings["ray"] == timings["local"]
+        history = run_simulation(SimulationConfig(clients=6, workers=2, engine=engine, app=app, fleet=fleet))
+        timings[engine] = [
+            sorted((row["client"], row["compute_s"]) for row in r.timeline) for r in history.rounds
+        ]
+        accuracies[engine] = [r.accuracy for r in history.rounds]
+    assert all(len({compute for _, compute in rows}) == 3 for rows in timings["local"])  # pairing shows
+    assert timings["ray"] == timings["local"] and accuracies["ray"] == accuracies["local"]
     assert dict(os.environ) == environment  # Ray's PYTHONPATH reached every later subprocess of the suite
