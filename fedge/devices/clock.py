@@ -29,6 +29,7 @@ __all__ = [
     "RoundOutcome",
     "Update",
     "buffered_schedule",
+    "bytes_moved",
     "draw_disconnects",
     "select_replies",
     "staleness_weight",
@@ -228,6 +229,27 @@ class RoundOutcome:
     late: tuple[Hashable, ...]
     cut_off: tuple[Hashable, ...]
     end_s: float
+
+
+def bytes_moved(timing: ClientTiming, download_bytes: int, upload_bytes: int) -> tuple[int, int]:
+    """The bytes a client's round moved down and up: all of them, unless it went away first; then the
+    share of the transfer it was in that its time covered (none of a transfer it never began).
+
+    A client that was never there moved nothing; the meter had charged the whole round for it.
+    """
+    if not timing.cut_off:
+        return download_bytes, upload_bytes
+    upload_start = timing.start_s + timing.download_s + timing.decode_s + timing.compute_s + timing.encode_s
+
+    def share(begin: float, duration: float) -> float:
+        if timing.away_s <= begin:
+            return 0.0
+        return 1.0 if duration <= 0 else min(1.0, (timing.away_s - begin) / duration)
+
+    return (
+        int(download_bytes * share(timing.start_s, timing.download_s)),
+        int(upload_bytes * share(upload_start, timing.upload_s)),
+    )
 
 
 def select_replies(

@@ -39,7 +39,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedge.config import ConfigError
-from fedge.devices.clock import ClientTiming, select_replies, time_client
+from fedge.devices.clock import ClientTiming, bytes_moved, select_replies, time_client
 from fedge.devices.fleet import ClientProfile, LinkProfile
 from fedge.devices.traces import AvailabilityTrace
 from fedge.flower.compat import Run, set_message_id
@@ -225,6 +225,7 @@ class ClockGrid(RunGrid):
         by_id = {m.metadata.message_id: m for m in messages}
         timings: dict[int, ClientTiming] = {}
         answered: dict[int, Message] = {}
+        sizes: dict[int, tuple[Message, Message, int, int]] = {}  # node -> its messages and their bytes
         failed: list[Message] = []
         for reply in replies:
             instruction = by_id.get(reply.metadata.reply_to_message_id)
@@ -232,10 +233,12 @@ class ClockGrid(RunGrid):
                 continue
             if reply.has_error():
                 failed.append(reply)  # the runner reports failures; they never arrive as updates
+                self._meter(instruction, reply, None, *self._message_sizes(instruction, reply))
                 continue
             node = instruction.metadata.dst_node_id
             client = self._client_of[node]
             down, up = self._message_sizes(instruction, reply)
+            sizes[node] = (instruction, reply, down, up)
             away = self._trace.available_until(client, start) if self._trace is not None else math.inf
             timings[node] = time_client(
                 self._profiles[client],
@@ -268,6 +271,8 @@ class ClockGrid(RunGrid):
         status.update({n: "cut_off" for n in outcome.cut_off})
         for node in outcome.cut_off:
             self._undo_training(node, timings[node], before)
+        for node, (instruction, reply, down, up) in sizes.items():  # what moved on the clock, metered
+            self._meter(instruction, reply, timings[node], down, up)
         self._report = _Round(self.now_s - start, [_row(self._client_of[n], self._profiles, t, status[n])
                                                    for n, t in timings.items()])  # fmt: skip
         for reply in failed:
@@ -293,10 +298,11 @@ class ClockGrid(RunGrid):
                 continue
             client = self._client_of[instruction.metadata.dst_node_id]
             begin = starts[id(instruction)]
+            down, up = self._message_sizes(instruction, reply)
             if reply.has_error():
+                self._meter(instruction, reply, None, down, up)
                 self._queue(instruction, reply, begin, {"client": client, "status": "error"})
                 continue
-            down, up = self._message_sizes(instruction, reply)
             away = self._trace.available_until(client, begin) if self._trace is not None else math.inf
             timing = time_client(
                 self._profiles[client],
@@ -309,6 +315,7 @@ class ClockGrid(RunGrid):
                 seed=(self._seed, self._round, client),
             )
             row = _row(client, self._profiles, timing, "cut_off" if timing.cut_off else "accepted")
+            self._meter(instruction, reply, timing, down, up)
             if timing.cut_off:  # the coordinator learns it when the client goes away; the work is lost
                 self._undo_training(instruction.metadata.dst_node_id, timing, before)
                 reason = f"client {client} went away at {timing.away_s:.1f} s ({timing.cut_off_phase})"
@@ -336,21 +343,30 @@ class ClockGrid(RunGrid):
         return memory >= self.schedule.training_memory_bytes
 
     def _on_inner_wire(self, message: Message, nbytes: int) -> None:
-        """Sizes as the inner Grid serialized them (instructions down, replies up); passed on for metering."""
+        """Sizes as the inner Grid serialized them (instructions down, replies up). A train message's are
+        metered once the clock says what moved (:meth:`_meter`); the others' are passed on as they are."""
+        if message.metadata.message_type != MessageType.TRAIN:
+            self._report_wire(message, nbytes)
+            return
         reply_to = message.metadata.reply_to_message_id
         sizes = self._sizes.setdefault(reply_to or message.metadata.message_id, [0, 0])
         sizes[1 if reply_to else 0] = nbytes
-        if self.on_wire is not None:
-            self.on_wire(message, nbytes)
 
     def _message_sizes(self, instruction: Message, reply: Message) -> tuple[int, int]:
         if self._reports_bytes:
             down, up = self._sizes.get(instruction.metadata.message_id, [0, 0])
             return down, up
-        down, up = wire_size(instruction), wire_size(reply)  # e.g. Ray's Grid: measured here, and passed on
+        return wire_size(instruction), wire_size(reply)  # e.g. Ray's Grid: measured here
+
+    def _meter(
+        self, instruction: Message, reply: Message, timing: ClientTiming | None, down: int, up: int
+    ) -> None:
+        """Report what a client's round moved: all of it, or (cut off) what it moved before it went away:
+        a client that was never there moved nothing (an error reply travelled whole)."""
+        if timing is not None:
+            down, up = bytes_moved(timing, down, up)
         self._report_wire(instruction, down)
         self._report_wire(reply, up)
-        return down, up
 
 
 def _lost(instruction: Message, reason: str) -> Message:

@@ -16,6 +16,7 @@ from fedge.devices import (
     LinkProfile,
     Update,
     buffered_schedule,
+    bytes_moved,
     draw_disconnects,
     select_replies,
     staleness_weight,
@@ -115,6 +116,23 @@ def test_a_reply_at_an_infinite_or_undefined_time_never_comes():
     undefined = dataclasses.replace(ok, arrival_s=math.nan)
     out = select_replies({"ok": ok, "never": never, "nan": undefined}, round_start_s=0.0)
     assert out.accepted == ("ok",) and set(out.cut_off) == {"never", "nan"} and math.isfinite(out.end_s)
+
+
+def test_a_client_cut_off_moved_only_the_share_of_the_transfer_it_was_there_for():
+    timing = time_client(CLIENT, start_s=0.0, **ROUND)
+    down, up = ROUND["download_bytes"], ROUND["upload_bytes"]
+    assert bytes_moved(timing, down, up) == (down, up)
+    never_there = dataclasses.replace(timing, cut_off=True, cut_off_phase="download", away_s=0.0)
+    assert bytes_moved(never_there, down, up) == (0, 0)
+    half_down = dataclasses.replace(
+        timing, cut_off=True, cut_off_phase="download", away_s=timing.download_s / 2
+    )
+    assert bytes_moved(half_down, down, up) == (down // 2, 0)
+    upload_start = timing.arrival_s - timing.upload_s
+    mid_upload = dataclasses.replace(
+        timing, cut_off=True, cut_off_phase="upload", away_s=upload_start + timing.upload_s / 4
+    )
+    assert bytes_moved(mid_upload, down, up) == (down, int(up * 0.25))
 
 
 def test_a_link_figure_whose_sums_would_overflow_is_refused():

@@ -84,7 +84,8 @@ def test_a_round_that_finds_everyone_away_waits_until_they_are_back(tmp_path):
     first, second = history.rounds
     assert first.clients_replied == 0 and first.extra["sim_clock_s"] == 500.0
     assert {row["status"] for row in first.timeline} == {"cut_off"}
-    assert second.extra["accepted"] == second.clients_sampled > 0
+    assert first.bytes_down == first.bytes_up == 0  # nobody was there: nothing moved (it counted all)
+    assert second.extra["accepted"] == second.clients_sampled > 0 and second.bytes_up > 0
     # the rounds' times add up to the clock, the wait included (it was left out of the round that waited)
     assert first.extra["sim_time_s"] + second.extra["sim_time_s"] == second.extra["sim_clock_s"]
 
