@@ -350,14 +350,17 @@ class SplitCoordinator:
         return self._plans[key]
 
     def _collect(self, ids: Iterable[str], deadline: float) -> list[Message]:
-        """Replies to pushed messages, as they come, until all are in or ``deadline`` passes."""
+        """Replies to pushed messages, as they come, until all are in or ``deadline`` passes; what has come
+        counts even when the deadline has passed (the split clients' waves may have used the whole round
+        waiting for one that died, while the full-model clients' updates sat in the Grid)."""
         waiting, replies = set(ids), []
-        while waiting and time.monotonic() < deadline:
+        while waiting:
             for reply in self.grid.pull_messages(list(waiting)):
                 waiting.discard(reply.metadata.reply_to_message_id)
                 replies.append(reply)
-            if waiting:
-                self._wake.wait(0.05)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            self._wake.wait(0.05)
         return replies
 
     # --------------------------------------------------------------------------------- checkpoints

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,42 @@ def test_a_dropped_request_or_reply_costs_no_batch(grid) -> None:
     assert not lossy.drops and sum(r.retries for r in rounds) == 3
     assert all(r.lost_batches == 0 for r in rounds)
     assert _max_diff(coordinator.model.state_dict(), _driver(split)) <= 1e-5
+
+
+class _DeadSplitClient:
+    """The local Grid, but one split client never answers: each request to it waits out its timeout."""
+
+    def __init__(self, grid: LocalGrid, victim: int) -> None:
+        self.grid, self.victim, self.silence = grid, victim, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        alive = [
+            m
+            for m in messages
+            if m.metadata.dst_node_id != self.victim or m.metadata.message_type != "train.split_step"
+        ]
+        replies = list(self.grid.send_and_receive(alive, timeout=timeout)) if alive else []
+        if len(alive) < len(messages):
+            self.silence.wait(timeout)  # its reply never comes: the coordinator waits its step timeout
+        return replies
+
+
+def test_full_clients_updates_count_when_a_dead_split_client_holds_the_waves_to_the_deadline(grid) -> None:
+    """The split waves ask a dead client again and again until the round's time is up: the full-model
+    clients' updates, in long before, must still count (they were left in the Grid, and the round
+    averaged nothing of theirs)."""
+    split = SplitFedConfig(rounds=1, batch_size=16, variant="v1")
+    config = SplitAppConfig(
+        split=split, profiles=PROFILES, min_nodes=4, round_timeout_s=3.0, step_timeout_s=1.0, max_attempts=50
+    )
+    victim = sorted(grid.get_node_ids())[3]  # PROFILES: partition 3 trains split, after the first block
+    rounds = SplitCoordinator(_DeadSplitClient(grid, victim), config).run()  # type: ignore[arg-type]
+    assert rounds[0].split_clients == 2  # the dead one among them
+    assert {0, 2} <= set(rounds[0].trained) and 3 not in rounds[0].trained
 
 
 class _Crash(Exception):
