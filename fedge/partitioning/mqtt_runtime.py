@@ -184,6 +184,9 @@ class MqttPipeline:
     def deploy(self) -> Plan:
         """Plan over the devices not known dead, publish every stage, wait until each device serves it."""
         names = tuple(d.name for d in self.cost.fleet.devices if d.name not in self.dead)
+        if not names:  # (the planner once read no devices as all of them, and published to the dead)
+            dead = ", ".join(sorted(self.dead))
+            raise RuntimeError(f"no device's stage agent is online or alive (given up on: {dead})")
         result = plan(self.cost, self.objective, devices=names)
         if not result.feasible:
             raise RuntimeError(f"no placement of the model fits the devices left ({', '.join(names)})")

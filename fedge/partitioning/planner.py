@@ -60,7 +60,7 @@ def plan(
     max_stages : int or None (default: None)
         At most this many stages (2: a single split, as Neurosurgeon).
     devices : tuple of str or None (default: None)
-        Use only these devices (default: all).
+        Use only these devices (None: all; none at all is a ValueError).
 
     Returns
     -------
@@ -93,7 +93,9 @@ def _allowed(cost: CostModel, devices: tuple[str, ...] | None) -> list[int]:
     unknown = [name for name in devices or () if name not in names]
     if unknown:
         raise ValueError(f"no device {unknown[0]!r} in the fleet (it has: {', '.join(names)})")
-    allowed = [names.index(name) for name in dict.fromkeys(devices or names)]
+    if devices is not None and not devices:  # not "all": a pipeline whose devices all died asks with none
+        raise ValueError("no device to plan over (none of the fleet's devices is available)")
+    allowed = [names.index(name) for name in dict.fromkeys(names if devices is None else devices)]
     cuts = int(cost.a.shape[1])
     if (1 << len(allowed)) * cuts > MAX_PLANNER_STATES:
         most = max(1, (MAX_PLANNER_STATES // cuts).bit_length() - 1)

@@ -91,6 +91,8 @@ def test_plan_arguments_are_checked_in_one_line():
         with pytest.raises(ValueError, match=f"max_stages must be at least 1.*got {bad}"):
             plan(cost, "latency", max_stages=bad)
     assert plan(cost, "latency", devices=("b", "b")).stages[0].device == "b"  # a repeated name is one device
+    with pytest.raises(ValueError, match="no device to plan over"):  # it had meant every device
+        plan(cost, "latency", devices=())
 
 
 def test_a_fleet_too_large_for_the_exact_planner_is_refused_before_it_allocates():
