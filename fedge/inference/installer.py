@@ -162,6 +162,10 @@ class ModelInstaller:
             times["swapped_at"] = time.time()  # the new session serves from here (or the old one stays)
         if result.ok:
             self.choice = choice
+            # Only this version's repeats are duplicates now: an earlier one published again (a pipeline
+            # going back to a placement it had, same content, same version) must be installed again; it
+            # had been dropped as a duplicate for as long as the version stayed in this list.
+            self._fp32_added = deque((v for v in self._fp32_added if v == version), maxlen=16)
             self._keep(data, manifest)
             times["kept_at"] = time.time()
         self._log_swap(

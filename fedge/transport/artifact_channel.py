@@ -87,6 +87,10 @@ class ArtifactPublisher:
         payload = self.signer.sign(artifact_recipient(name), HEADER_MESSAGE_ID, body) if self.signer else body
         self.connection.publish(self.topics.artifact(name), payload, retain=True)
         history = self._published.setdefault(name, deque())
+        # A version published again (a pipeline back at a placement it had: same content, same version) is
+        # this publication, not the oldest one to clear: clearing it had emptied the chunks just sent.
+        for earlier in [h for h in history if h.version == version]:
+            history.remove(earlier)
         history.append(header)
         while len(history) > self.keep:
             self._clear(history.popleft())

@@ -360,6 +360,26 @@ def test_a_request_larger_than_the_device_accepts_is_refused_once_in_the_request
         assert agent.failed_requests == {"bad-chunk": 1}  # one refusal, not one per chunk
 
 
+def test_a_version_served_before_and_published_again_is_installed_again(
+    mqtt, coordinator, variants, tmp_path
+):
+    """A partition pipeline going back to a placement it had publishes the same content under the same
+    version: the device had dropped it as a duplicate of the fp32 it once received, and kept serving the
+    other version."""
+    publisher = ArtifactPublisher(coordinator, Topics(coordinator.config.fleet), chunk_size=16 * 1024)
+    fp32_path, fp32 = variants["fp32"]
+    other_path, other = variants["int8-static"]
+    with _agent(mqtt, tmp_path) as agent:
+        for version, path, manifest in (
+            ("a", fp32_path, fp32),
+            ("b", other_path, other),
+            ("a", fp32_path, fp32),
+        ):
+            _publish(publisher, path, manifest, version)
+            wait_until(lambda v=version: agent.server.serving_version == v, 30, what=f"{version} served")
+        assert [e["version"] for e in agent.swap_log if e["ok"]] == ["a", "b", "a"]
+
+
 def test_fedge_infer_asks_a_device_and_lists_what_it_serves(
     mqtt, coordinator, variants, digits_test, tmp_path
 ):
