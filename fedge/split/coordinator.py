@@ -138,6 +138,7 @@ class SplitCoordinator:
         )
         self.session = uuid.uuid4().hex[:12]  # a fresh one per coordinator: clients restart its rounds
         self.nodes: dict[int, _Node] = {}
+        self._duplicates: set[int] = set()  # nodes that said a partition another node holds: left out
         self.links: dict[int, CutLink] = {}  # per partition, across rounds (gradient error feedback)
         self.history: list[EngineRound] = []
         self.completed_round = 0
@@ -304,7 +305,7 @@ class SplitCoordinator:
 
     def _hello(self) -> None:
         """Ask nodes not met yet who they are, and plan their part from their memory."""
-        new = [n for n in self.grid.get_node_ids() if n not in self.nodes]
+        new = [n for n in self.grid.get_node_ids() if n not in self.nodes and n not in self._duplicates]
         if not new:
             return
         config = self.settings.record(0)
@@ -321,6 +322,17 @@ class SplitCoordinator:
                 log.warning("node %s did not say hello: %s%s", node, error_summary(reason), hint)
                 continue
             hello = Hello.from_message(reply)
+            holders = [n for n, known in self.nodes.items() if known.partition == hello.partition_id]
+            holder = holders[0] if holders else None
+            if holder is not None:  # its data would be trained, and weighted, twice
+                self._duplicates.add(node)
+                log.warning(
+                    "node %s says partition %d, which node %s holds: left out (check its partition-id)",
+                    node,
+                    hello.partition_id,
+                    holder,
+                )
+                continue
             plan = self._plan(hello)
             self.nodes[node] = _Node(hello.partition_id, hello.num_examples, plan)
             log.info("node %s: partition %d trains %s", node, hello.partition_id, plan.mode)

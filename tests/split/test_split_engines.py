@@ -4,6 +4,7 @@ MQTT agents one of which is killed between its activations and its gradient."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 import subprocess
 import threading
@@ -144,6 +145,25 @@ def test_full_clients_updates_count_when_a_dead_split_client_holds_the_waves_to_
     rounds = SplitCoordinator(_DeadSplitClient(grid, victim), config).run()  # type: ignore[arg-type]
     assert rounds[0].split_clients == 2  # the dead one among them
     assert {0, 2} <= set(rounds[0].trained) and 3 not in rounds[0].trained
+
+
+def test_a_second_node_saying_a_partition_another_holds_is_left_out(caplog) -> None:
+    """Both were accepted: that partition's data was trained and weighted twice."""
+    grid = LocalGrid(client_app, 5, workers=2)
+    try:
+        for context in grid.contexts.values():
+            context.node_config["num-partitions"] = 4
+        twin = sorted(grid.contexts)[4]
+        grid.contexts[twin].node_config["partition-id"] = 3  # a copy of partition 3's agent config
+        config = SplitAppConfig(split=SplitFedConfig(rounds=1, batch_size=16), profiles=PROFILES, min_nodes=4)
+        with caplog.at_level(logging.WARNING, logger="fedge.split.coordinator"):
+            coordinator = SplitCoordinator(grid, config)
+            rounds = coordinator.run()
+    finally:
+        grid.shutdown()
+    assert sorted(node.partition for node in coordinator.nodes.values()) == [0, 1, 2, 3]
+    assert sorted(rounds[0].trained) == [0, 1, 2, 3]
+    assert f"node {twin} says partition 3, which node" in caplog.text
 
 
 class _Crash(Exception):
