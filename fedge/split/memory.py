@@ -86,7 +86,8 @@ class ClientPlan:
     cut : int or None
         Layers ``[0, cut)`` of the chain on the device (split only).
     required_bytes : int
-        Training memory of what the device runs (full model or front stage); 0 for "none".
+        Training memory of what the device runs (full model or front stage); for "none", the least any
+        front stage (or, with none to cut, the full model) needs.
     device_bytes : int
         The device's memory available for training.
     """
@@ -208,7 +209,8 @@ def plan_fleet(
         ]
         if fits:
             plans.append(ClientPlan("split", fits[0], memory[f"front@{fits[0]}"].total_bytes, device))
-        else:
-            plans.append(ClientPlan("none", None, 0, device))
+        else:  # what it lacks: the least any stage it could run needs (a warning had said 0)
+            least = min((memory[f"front@{c}"].total_bytes for c in candidates), default=full)
+            plans.append(ClientPlan("none", None, least, device))
     model.zero_grad(set_to_none=True)
     return plans, memory

@@ -28,6 +28,7 @@ def test_plans_follow_device_memory(model, digits) -> None:
     plans, memory = plan_fleet(model, digits[0][0], [PI, MCU, tiny])
     assert [p.mode for p in plans] == ["full", "split", "none"]
     assert plans[1].cut == 2  # shallowest block cut: conv + ReLU
+    assert plans[2].required_bytes == memory["front@2"].total_bytes > plans[2].device_bytes  # what it lacks
     assert not can_train(MCU.compute, memory["full"].total_bytes)
     assert can_train(MCU.compute, memory["front@2"].total_bytes)
     assert memory["front@2"].total_bytes / memory["full"].total_bytes <= 0.25
