@@ -182,7 +182,11 @@ class MqttPipeline:
         return {name for name, status in self._status.items() if status.get("online")}
 
     def deploy(self) -> Plan:
-        """Plan over the devices not known dead, publish every stage, wait until each device serves it."""
+        """Plan over the devices not known dead, publish every stage, wait until each device serves it. A
+        device given up on that is online again (its agent restarted, or back after a broker restart) is
+        placed again: it had been left out for the pipeline's life."""
+        with self._changed:
+            self.dead -= self._online()
         names = tuple(d.name for d in self.cost.fleet.devices if d.name not in self.dead)
         if not names:  # (the planner once read no devices as all of them, and published to the dead)
             dead = ", ".join(sorted(self.dead))

@@ -80,6 +80,17 @@ def test_three_stage_pipeline_over_mqtt_survives_a_killed_stage_agent(tmp_path):
                 full = OrtExecutor(onnx_model.SerializeToString()).run(batch)
                 for name in full:
                     np.testing.assert_allclose(result["out"][name], full[name], atol=1e-5)
+
+                # Its agent back, the next placement uses it again, with the stage versions it had before
+                # (the same content): it had been left out for good, and a version sent again never loaded.
+                agents[victim].wait(30)
+                agents[victim] = _start_agent(tmp_path, broker.url, victim)
+                wait_until(lambda: victim in pipeline.online(), 60, what="the restarted agent online")
+                again = pipeline.deploy()
+                assert sorted(s.device for s in again.stages) == list(DEVICES) and not pipeline.dead
+                out = pipeline.run(batch, micro_batch=1)
+                for name in local:
+                    np.testing.assert_array_equal(out[name], local[name])
         finally:
             for agent in agents.values():
                 if agent.poll() is None:
