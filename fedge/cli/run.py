@@ -157,8 +157,7 @@ def simulate(
         with RoundProgress(sim.app.rounds, console) as progress:
             history = run_simulation(sim, listeners=[progress.update, completed.append])
     except RunFailed as err:
-        traceback = "first:" in str(err) and "rejected by screening" not in str(err)  # a client's error
-        hint = " (-v shows the whole client traceback)" if traceback else ""
+        hint = " (-v shows the whole client traceback)" if getattr(err, "client_traceback", False) else ""
         typer.echo(f"error: {err}{hint}", err=True)
         raise typer.Exit(1) from None
     except ConfigError as err:  # e.g. a task whose evaluate() returns no accuracy

@@ -51,7 +51,15 @@ RoundEnd = Callable[[int, ArrayRecord, RunHistory], None]
 
 
 class RunFailed(RuntimeError):
-    """The run stopped because it was not training: no client update was accepted for too long."""
+    """The run stopped because it was not training: no client update was accepted for too long.
+
+    ``client_traceback`` says whether the first cause is a client's exception (whose whole traceback the
+    logs hold), rather than a deadline, an availability trace or screening.
+    """
+
+    def __init__(self, message: str, *, client_traceback: bool = False) -> None:
+        super().__init__(message)
+        self.client_traceback = client_traceback
 
 
 @dataclass
@@ -335,13 +343,17 @@ class _FailureWatch:
             log.info("round %d: the first client error in full:\n%s", metrics.round, first_error)
         if self.limit and self.in_a_row >= self.limit:
             raise RunFailed(
-                f"no client update was accepted in {self.in_a_row} consecutive rounds; first: {cause}"
+                f"no client update was accepted in {self.in_a_row} consecutive rounds; first: {cause}",
+                client_traceback="Traceback" in first_error,
             )
 
     def check_run(self, history: RunHistory) -> None:
         if history.rounds and not any(map(_trained, history.rounds)):
             cause = error_summary(self.first_error) or "no client replied in time"
-            raise RunFailed(f"no client update was accepted in any round; first: {cause}")
+            raise RunFailed(
+                f"no client update was accepted in any round; first: {cause}",
+                client_traceback="Traceback" in self.first_error,
+            )
 
 
 def _clock_cause(metrics: RoundMetrics) -> str:

@@ -159,6 +159,7 @@ def test_a_run_that_trains_nothing_stops_with_one_line_and_a_non_zero_status(tmp
     error = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "no client update was accepted in 3 consecutive rounds" in error[0]
     assert "ValueError: broken data in partition" in error[0] and "partition " in error[0]
+    assert error[0].endswith("(-v shows the whole client traceback)")  # the client raised: its traceback
     assert len(json.loads((out / "metrics.json").read_text())["rounds"]) == 3  # kept, and no more
 
 

@@ -98,8 +98,11 @@ def test_a_round_whose_clients_all_went_away_says_so(tmp_path):
     trace = tmp_path / "brief.pkl"  # everyone is there for the first 0.01 s of every 10,000 s, then gone
     brief = {"duration": 10_000.0, "active": [0.0], "inactive": [0.01], "finish_time": 10_000.0}
     trace.write_bytes(pickle.dumps({i: dict(brief) for i in range(8)}))
-    with pytest.raises(RunFailed, match=r"4 of 4 clients went away \(their availability\) before replying"):
+    with pytest.raises(
+        RunFailed, match=r"4 of 4 clients went away \(their availability\) before replying"
+    ) as info:
         _run(Schedule(), availability=str(trace), rounds=1)
+    assert not info.value.client_traceback  # no client raised: the CLI offers no traceback to look at
 
 
 def test_an_adaptive_deadline_grows_until_the_slow_gateways_are_in():
