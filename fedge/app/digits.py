@@ -74,10 +74,16 @@ def dirichlet_partitions(num_partitions: int, alpha: float, seed: int) -> tuple[
         parts = _compute_dirichlet_partitions(num_partitions, alpha, seed)
     except ValueError as err:  # flwr-datasets gives up after 10 draws with an empty (too small) client
         images = len(digits_split("train")[1])
+        # with few enough clients for the images, it is the draw that left some with almost none: fewer
+        # clients need not help (the least share asked for shrinks as clients grow), a larger alpha does
+        advice = (
+            f"use fewer clients (about {images // 10} or less) or a larger alpha"
+            if num_partitions > images // 10
+            else "use a larger alpha, or another seed"
+        )
         raise ConfigError(  # the run's settings, not the task's code: passes through task_errors as it is
             f"cannot split the {images:,} digits training images among {num_partitions} clients with "
-            f"alpha {alpha:g} (every client needs a few images): use fewer clients (about {images // 10} "
-            f"or less) or a larger alpha ({err})"
+            f"alpha {alpha:g} (every client needs a few images): {advice} ({err})"
         ) from None
     buffer = io.BytesIO()
     np.savez(buffer, **{f"p{i}": part for i, part in enumerate(parts)})

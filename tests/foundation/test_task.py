@@ -185,3 +185,22 @@ def test_the_reference_client_hands_fedprox_mu_and_the_instructions_config_to_tr
     finally:
         grid.shutdown()
     assert only.extra["train_mu"] == 0.25 and only.extra["train_round"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("clients", "alpha", "advice"),
+    [
+        (1000, 0.5, "use fewer clients (about 143 or less) or a larger alpha"),
+        (40, 0.2, "use a larger alpha, or another seed"),  # 60 clients split; fewer clients would not help
+    ],
+)
+def test_a_split_the_digits_cannot_hold_gives_advice_that_helps(
+    tmp_path, monkeypatch, clients, alpha, advice
+):
+    from fedge.app import digits
+    from fedge.config import ConfigError
+
+    monkeypatch.setenv("FEDGE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=f"among {clients} clients") as info:
+        digits.dirichlet_partitions.__wrapped__(clients, alpha, 0)
+    assert advice in str(info.value)
