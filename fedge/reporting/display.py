@@ -69,7 +69,7 @@ def summary_table(history: RunHistory, title: str = "fedge run") -> Table:
         row = [
             str(r.round),
             f"{100 * r.accuracy:.2f}%",
-            f"{r.loss:.4f}",
+            f"{r.loss:.4f}" if abs(r.loss) < 1e5 else f"{r.loss:.3e}",  # a diverging loss fits its column
             _clients_cell(r),
             f"{r.bytes_down / 1e6:.2f}",
             f"{r.bytes_up / 1e6:.2f}",

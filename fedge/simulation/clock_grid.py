@@ -323,10 +323,12 @@ class ClockGrid(RunGrid):
             else:
                 self._queue(instruction, reply, timing.arrival_s, row)
         for instruction in [*by_id.values(), *waiting]:  # no reply at all, or never available
-            if not instruction.metadata.message_id:  # never sent to the inner Grid
+            never = not instruction.metadata.message_id  # never sent to the inner Grid: never available
+            if never:
                 set_message_id(instruction, uuid.uuid4().hex)
-            row = {"client": self._client_of[instruction.metadata.dst_node_id], "status": "error"}
-            self._queue(instruction, _lost(instruction, "no reply"), start, row)
+            client = self._client_of[instruction.metadata.dst_node_id]
+            reason = f"client {client} is never available again (its availability)" if never else "no reply"
+            self._queue(instruction, _lost(instruction, reason), start, {"client": client, "status": "error"})
         return [m.metadata.message_id for m in messages]
 
     def _queue(self, instruction: Message, reply: Message, arrival_s: float, row: dict[str, Any]) -> None:

@@ -310,3 +310,22 @@ def test_a_run_where_every_client_fails_ends_in_one_line_and_leaves_metrics_json
     assert "lost their work; first: partition" in message and message.endswith("RuntimeError: boom in train")
     assert "Traceback" not in message and "\n" not in message
     assert (out / "metrics.json").exists()  # nothing aggregated: its config, still
+
+
+def test_a_fleet_never_available_ends_the_run_naming_its_availability(tmp_path):
+    """FedBuff's failure said "first: no reply", where the synchronous rounds name the availability."""
+    import pickle
+
+    from fedge.server.runner import RunFailed
+
+    trace = tmp_path / "never.pkl"  # FedScale's format: nobody is ever active
+    empty = {"duration": 100.0, "active": [], "inactive": [], "finish_time": 100.0}
+    trace.write_bytes(pickle.dumps({i: dict(empty) for i in range(4)}))
+    config = SimulationConfig(
+        clients=4, workers=1, app=_fedbuff_app(rounds=2), fleet=MIXED, availability=str(trace)
+    )
+    with pytest.raises(
+        RunFailed, match=r"first: client \d is never available again \(its availability\)"
+    ) as info:
+        run_simulation(config)
+    assert not info.value.client_traceback

@@ -271,11 +271,13 @@ def test_the_summary_table_shows_rejected_replies_beside_the_replies():
     history.rounds = [
         RoundMetrics(1, 0.5, 1.0, 5, 5, 0, 0, 0.1, extra={"accepted": 1, "rejected": 4}),
         RoundMetrics(2, 0.6, 0.9, 5, 5, 0, 0, 0.1, extra={"accepted": 5, "rejected": 0}),
+        RoundMetrics(3, 0.1, 8.956569106516e11, 5, 5, 0, 0, 0.1),  # a diverging run's loss
     ]
     console = Console(width=200, record=True)
     console.print(summary_table(history))
     text = console.export_text()
     assert "5/5 (4 rejected)" in text and text.count("rejected") == 1
+    assert "8.957e+11" in text  # it was cut off in its column as 895656910651…
 
 
 def test_a_task_whose_prepare_raises_is_one_line(tmp_path):
