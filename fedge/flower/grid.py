@@ -9,7 +9,7 @@ from flwr.serverapp import Grid
 
 from fedge.flower.compat import Run
 
-__all__ = ["RunGrid"]
+__all__ = ["RunGrid", "WrappingGrid"]
 
 
 class RunGrid(Grid):
@@ -50,3 +50,19 @@ class RunGrid(Grid):
     ) -> Message:
         """Deprecated in Flower (still abstract there): build the ``Message`` directly instead."""
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+
+class WrappingGrid(RunGrid):
+    """A Grid over another (``inner``), whose run is the inner Grid's; subclasses change what they wrap it
+    for (the order of its nodes, a wait for them) and pass the rest on."""
+
+    def __init__(self, inner: Grid) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def set_run(self, run: Run) -> None:
+        self._inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._inner.run

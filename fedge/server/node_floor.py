@@ -19,8 +19,7 @@ from typing import Any
 
 from flwr.app import Message
 
-from fedge.flower.compat import Run
-from fedge.flower.grid import RunGrid
+from fedge.flower.grid import RunGrid, WrappingGrid
 from fedge.server.runner import RunFailed
 
 __all__ = ["NodeFloorGrid", "NodesLost"]
@@ -35,7 +34,7 @@ class NodesLost(RunFailed):
     """Fewer nodes than the run needs stayed online for longer than the wait allows."""
 
 
-class NodeFloorGrid(RunGrid):
+class NodeFloorGrid(WrappingGrid):
     """Delegate to ``grid``; once fewer than ``needed`` nodes have been online for ``wait_s`` seconds,
     :meth:`get_node_ids` raises :class:`NodesLost`.
 
@@ -61,8 +60,8 @@ class NodeFloorGrid(RunGrid):
         on_wait: Waiting | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__()
-        self._grid, self._needed, self._wait_s = grid, needed, wait_s
+        super().__init__(grid)
+        self._needed, self._wait_s = needed, wait_s
         self._on_wait, self._clock = on_wait, clock
         self._short_since: float | None = None
         if not isinstance(grid, RunGrid):  # a meter above trusts this Grid to report what it carries
@@ -70,12 +69,12 @@ class NodeFloorGrid(RunGrid):
         grid.on_wire = self._report_wire  # what the inner Grid puts on the wire, passed up
 
     def __getattr__(self, name: str) -> Any:  # node_links, take_round, profiles, ...: the inner Grid's
-        if name.startswith("__") or "_grid" not in self.__dict__:
+        if name.startswith("__") or "_inner" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self._grid, name)
+        return getattr(self._inner, name)
 
     def get_node_ids(self) -> Iterable[int]:
-        ids = list(self._grid.get_node_ids())
+        ids = list(self._inner.get_node_ids())
         if len(ids) >= self._needed:
             if self._short_since is not None:
                 log.info("%d nodes online again (the run needs %d)", len(ids), self._needed)
@@ -102,20 +101,13 @@ class NodeFloorGrid(RunGrid):
             )
         return ids
 
-    def set_run(self, run: Run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self._grid.run
-
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._grid.push_messages(messages)
+        return self._inner.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._grid.pull_messages(message_ids)
+        return self._inner.pull_messages(message_ids)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        return self._grid.send_and_receive(messages, timeout=timeout)
+        return self._inner.send_and_receive(messages, timeout=timeout)

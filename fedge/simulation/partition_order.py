@@ -14,14 +14,16 @@ from collections.abc import Iterable, Mapping
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedge.flower.compat import Run
+from fedge.flower.grid import WrappingGrid
+from fedge.protocol.envelope import wire_size
 
 __all__ = ["PartitionOrderedGrid", "partition_ids"]
 
 
-class PartitionOrderedGrid(Grid):
+class PartitionOrderedGrid(WrappingGrid):
     """``grid`` whose :meth:`get_node_ids` lists nodes by their partition id (nodes of unknown partition
-    last, by id); everything else is ``grid``'s.
+    last, by id); everything else is ``grid``'s. It reports the wire size of what it carries (Flower's Grid
+    does not), as fedge's Grids do.
 
     Parameters
     ----------
@@ -32,40 +34,34 @@ class PartitionOrderedGrid(Grid):
     """
 
     def __init__(self, grid: Grid, partition_of: Mapping[int, int]) -> None:
-        self._grid, self._partition_of = grid, dict(partition_of)
+        super().__init__(grid)
+        self._partition_of = dict(partition_of)
 
     def get_node_ids(self) -> Iterable[int]:
         last = len(self._partition_of)  # a node of unknown partition: after the known ones, by id
-        return sorted(self._grid.get_node_ids(), key=lambda n: (self._partition_of.get(n, last), n))
-
-    def set_run(self, run: Run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self._grid.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """Deprecated in Flower (still abstract there): build the ``Message`` directly instead."""
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+        return sorted(self._inner.get_node_ids(), key=lambda n: (self._partition_of.get(n, last), n))
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._grid.push_messages(messages)
+        messages = list(messages)
+        ids = list(self._inner.push_messages(messages))
+        self._measure(messages)
+        return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._grid.pull_messages(message_ids)
+        return self._measure(list(self._inner.pull_messages(message_ids)))
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        return self._grid.send_and_receive(messages, timeout=timeout)
+        messages = list(messages)
+        replies = list(self._inner.send_and_receive(messages, timeout=timeout))
+        self._measure(messages)
+        return self._measure(replies)
+
+    def _measure(self, messages: list[Message]) -> list[Message]:
+        for message in messages:
+            self._report_wire(message, wire_size(message))
+        return messages
 
 
 def partition_ids(grid: Grid, nodes: list[int]) -> dict[int, int]:
