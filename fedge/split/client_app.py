@@ -39,7 +39,7 @@ from fedge.devices.profile import measure_device
 from fedge.split.cut import CutLink
 from fedge.split.messages import Hello, RunSettings, StepReply, StepRequest
 from fedge.split.model import as_chain, segment
-from fedge.split.rounds import StageKeys, batch_order, client_round_seed, stage_keys
+from fedge.split.rounds import StageKeys, batch_order, client_round_seed, stage_keys, step_seed
 from fedge.split.step import FrontStage
 from fedge.split.updates import UPDATE_EF_KEY, encode_update, load_residual, save_residual
 
@@ -255,7 +255,7 @@ def split_step(msg: Message, context: Context) -> Message:
     order = batch_order(len(labels), settings, request.server_round, partition)
     applied = False
     if request.grad_step >= 0 and request.grad_version == state.version:
-        seed = request.server_round * 100003 + request.grad_step  # the seed its forward was given
+        seed = step_seed(request.server_round, request.grad_step)  # the seed its forward was given
         stage.backward(request.gradient, features=features[order[request.grad_step]], seed=seed)
         state.version += 1
         applied = True
@@ -263,7 +263,7 @@ def split_step(msg: Message, context: Context) -> Message:
     if request.head_step >= 0 and stage.head is not None:
         if request.head_step > state.head_done and request.head_version == state.version:
             batch = order[request.head_step]
-            seed = request.server_round * 100003 + request.head_step
+            seed = step_seed(request.server_round, request.head_step)
             gradient, loss = stage.head_step(request.middle, labels[batch], seed=seed)
             optimizer.step()  # only the head has gradients now; the front steps with the cut gradient
             optimizer.zero_grad()
@@ -273,7 +273,7 @@ def split_step(msg: Message, context: Context) -> Message:
     activation = label_bytes = b""
     if request.step >= 0:
         batch = order[request.step]
-        activation = stage.forward(features[batch], seed=request.server_round * 100003 + request.step)
+        activation = stage.forward(features[batch], seed=step_seed(request.server_round, request.step))
         label_bytes = stage.label_payload(labels[batch]) if stage.head is None else b""
         samples = len(batch)
         stage.discard()  # the gradient comes with the next request, which recomputes the forward

@@ -322,8 +322,9 @@ class SplitCoordinator:
                 log.warning("node %s did not say hello: %s%s", node, error_summary(reason), hint)
                 continue
             hello = Hello.from_message(reply)
-            holders = [n for n, known in self.nodes.items() if known.partition == hello.partition_id]
-            holder = holders[0] if holders else None
+            holder = next(
+                (n for n, known in self.nodes.items() if known.partition == hello.partition_id), None
+            )
             if holder is not None:  # its data would be trained, and weighted, twice
                 self._duplicates.add(node)
                 log.warning(

@@ -44,6 +44,7 @@ from fedge.split.rounds import (
     evaluate,
     stage_delta,
     stage_keys,
+    step_seed,
 )
 from fedge.split.step import BackStage, FrontStage
 from fedge.split.timing import StageFlops, StepCost, send_s, simulate_split_round, stage_flops
@@ -270,7 +271,7 @@ class SplitFedRun:
                 if fronts[i].head is not None:
                     fronts[i].head.load_state_dict(fronts[previous].head.state_dict())
             previous = i
-            cost, loss = self._split_step(i, fronts[i], backs[i], orders[i][k], seed=round_ * 100003 + k)
+            cost, loss = self._split_step(i, fronts[i], backs[i], orders[i][k], seed=step_seed(round_, k))
             chains[i].append(cost)
             losses[i][0] += loss * len(orders[i][k])
             losses[i][1] += len(orders[i][k])

@@ -42,6 +42,13 @@ def evaluate(model: nn.Module, data: TensorData) -> tuple[float, float]:
     return loss, float((logits.argmax(dim=1) == labels).float().mean())
 
 
+def step_seed(server_round: int, step: int) -> int:
+    """The seed of batch ``step`` of round ``server_round``: its codecs' draws and the random streams of
+    its forwards (:class:`fedge.split.step.FrontStage`), the same in the driver, the coordinator and the
+    client, and again when a client recomputes the batch's forward."""
+    return server_round * 100003 + step
+
+
 def client_round_seed(config: SplitFedConfig, round_: int, client: int) -> int:
     """The seed of client ``client``'s round ``round_``: its batch order, and the random streams its
     full-model training draws from (:func:`fedge.app.seeding.seeded`), in every process alike."""

@@ -24,7 +24,7 @@ from flwr.app import Message
 from fedge.compression import CodecError, inspect_payload
 from fedge.split.cut import CutCodec, CutLink
 from fedge.split.messages import StepReply, StepRequest
-from fedge.split.rounds import StageKeys
+from fedge.split.rounds import StageKeys, step_seed
 from fedge.split.step import BackStage
 
 __all__ = ["Exchange", "SplitSession"]
@@ -158,7 +158,7 @@ class SplitSession:
 
     def _activations(self, reply: StepReply, server_round: int) -> None:
         """Batch ``cursor``'s activations came: step the server side (U-shaped: its forward only)."""
-        seed = server_round * 100003 + reply.step
+        seed = step_seed(server_round, reply.step)
         _count(self.link.activation_up, reply.activation)
         self.cursor += 1
         if self.u_shaped:
@@ -182,7 +182,7 @@ class SplitSession:
             self.lost += 1
             return
         _count(self.link.gradient_up, reply.head_gradient)
-        seed = server_round * 100003 + batch
+        seed = step_seed(server_round, batch)
         gradient = self.back.backward(reply.head_gradient, self.link, client=self.partition, seed=seed)
         self.pending = (batch, version, gradient)
         self._stepped(reply.loss, samples)
