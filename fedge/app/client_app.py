@@ -38,16 +38,14 @@ warm_up_torch()
 def train(msg: Message, context: Context) -> Message:
     """Load the global model, train on the local partition, reply with the new weights."""
     config = msg.content["config"]
-    partition_id = int(context.node_config["partition-id"])
-    seed = local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0)))
+    partition_id, seed = _call_seed(config, context)
     # The call's own random streams (the model's construction, dropout, augmentation): the same draws on
     # whichever worker runs it, and the process's generators as they were once it returns.
     with seeded(seed):
-        return _train(msg, context, partition_id, seed)
+        return _train(msg, context, config, partition_id, seed)
 
 
-def _train(msg: Message, context: Context, partition_id: int, seed: int) -> Message:
-    config = msg.content["config"]
+def _train(msg: Message, context: Context, config: ConfigRecord, partition_id: int, seed: int) -> Message:
     task = _task(config, context)
     model = _received_model(task, msg)
     train_config = TrainConfig(
@@ -101,8 +99,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the received model on the local partition; reply with the task's numbers and, unless it
     gave one, ``num-examples`` (the partition's size), which Flower's strategies weigh evaluations by."""
     config = msg.content["config"]
-    partition_id = int(context.node_config["partition-id"])
-    with seeded(local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0))), stream=1):
+    partition_id, seed = _call_seed(config, context)
+    with seeded(seed, stream=1):
         task = _task(config, context)
         model = _received_model(task, msg)
         data = task.partition(partition_id)
@@ -110,6 +108,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = {key: number for key, value in result.items() if (number := as_number(value)) is not None}
     metrics.setdefault("num-examples", float(len(data[1])))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def _call_seed(config: ConfigRecord, context: Context) -> tuple[int, int]:
+    """This node's partition id and the call's seed (its run seed, partition and round)."""
+    partition_id = int(context.node_config["partition-id"])
+    return partition_id, local_seed(int(config["seed"]), partition_id, int(config.get("server-round", 0)))
 
 
 def local_seed(seed: int, partition_id: int, server_round: int) -> int:

@@ -27,11 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from fedge.config import ConfigError, check_types, from_table, read_toml
+from fedge.devices.fleet import MAX_LINK_SECONDS
 
 __all__ = ["Device", "Fleet", "Link", "load_fleet"]
-
-
-MAX_LATENCY_S = 1e6  # a link's latency, at most (11.6 days): sums of them stay finite
 
 
 @dataclass(frozen=True)
@@ -53,9 +51,9 @@ class Link:
         check_types(self)
         # finite and physical: an infinite latency made every plan infeasible ("no partition fits"), 1e-300
         # bytes/s a 300-digit latency, and a finite 1.7e308 s one overflowed to infinity once summed
-        if not (1.0 <= self.bandwidth_bytes_per_s < math.inf and 0 <= self.latency_s <= MAX_LATENCY_S):
+        if not (1.0 <= self.bandwidth_bytes_per_s < math.inf and 0 <= self.latency_s <= MAX_LINK_SECONDS):
             raise ConfigError(
-                f"bandwidth_bytes_per_s must be >= 1 and finite, latency_s in [0, {MAX_LATENCY_S:g}] s;"
+                f"bandwidth_bytes_per_s must be >= 1 and finite, latency_s in [0, {MAX_LINK_SECONDS:g}] s;"
                 f" got {self.bandwidth_bytes_per_s} and {self.latency_s}"
             )
 

@@ -121,11 +121,11 @@ class ModelBroadcast:
         current version again (same ``model``) advances nothing: see the module docstring.
         """
         dtypes = {name: dtype for name, dtype in (dtypes or {}).items() if dtype in DTYPES}
-        exact = exact_tensors(dtypes)  # integers: exact in every payload, so never on the fp16 grid
-        self._warn_saturated(model, exact)
         node_ids = list(node_ids)
         if version == self.version and self.reference is not None:
             return self._again(node_ids, dtypes)
+        exact = exact_tensors(dtypes)  # integers: exact in every payload, so never on the fp16 grid
+        self._warn_saturated(model, exact)  # once a version (a pass over the model), not once a prepare
         previous = self.version
         up_to_date = {n for n in node_ids if previous is not None and self._holders.get(n) == previous}
         delta = None
