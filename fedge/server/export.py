@@ -42,6 +42,7 @@ from fedge.server.model_inputs import (
     is_keyword,
     named_inputs,
 )
+from fedge.server.value_branches import BranchMismatch, branched_on_values, check_probes
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,11 @@ def export_onnx(
     was_training = model.training
     model.eval()
     try:
-        data = _export_bytes(model, example, keyword, config, exporter)
+        data, branched = _export_bytes(model, example, keyword, config, exporter)
         checked = _named(held_out, config) if held_out is not None else example
         max_diff = verify_onnx(model, data, checked, config, keyword=keyword)
+        if branched:
+            _check_value_branches(model, data, [checked, *_probe_rows(labelled, config)], config, keyword)
     finally:
         model.train(was_training)
     session = make_session(data)
@@ -335,17 +338,44 @@ def export_variants(
     return results
 
 
+def _probe_rows(
+    labelled: tuple[ModelInputs, np.ndarray] | None, config: ExportConfig
+) -> list[dict[str, np.ndarray]]:
+    """Up to 256 rows of the labelled held-out features, for :func:`_check_value_branches`."""
+    return [] if labelled is None else [feed_rows(_labelled(labelled, config)[0], 0, 256)]
+
+
+def _check_value_branches(
+    model: nn.Module, data: bytes, inputs: list[dict[str, np.ndarray]], config: ExportConfig, keyword: bool
+) -> None:
+    """The tracer saw the forward test a tensor's value: :func:`fedge.server.value_branches.check_probes`."""
+    session = make_session(data)
+    try:
+        check_probes(
+            lambda rows: call_model(model, rows, keyword),
+            lambda rows: session.run(None, session_feed(session, rows)),
+            inputs,
+            bound=max(10 * config.tolerance, 1e-3),
+            name=type(model).__name__,
+        )
+    except BranchMismatch as err:
+        raise ExportError("verify", str(err)) from None
+
+
 def _export_bytes(
     model: nn.Module, example: dict[str, np.ndarray], keyword: bool, config: ExportConfig, exporter: str
-) -> bytes:
+) -> tuple[bytes, bool]:
+    """The ONNX file's bytes, and whether the tracer saw the forward test a tensor's value."""
     tensors = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in example.items()}
     args, kwargs = ((), tensors) if keyword else (tuple(tensors.values()), None)
     try:
         count = len(call_model(model, example, keyword))
         outputs = [config.output_name] + [f"{config.output_name}_{i}" for i in range(1, count)]
         names = {"input_names": list(tensors), "output_names": outputs}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice, tracer warnings
+        # the TorchScript exporter's deprecation notice and tracer warnings are kept from the user's log;
+        # one of them says the forward branched on a value (:mod:`fedge.server.value_branches`)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             if exporter == "dynamo":
                 batch = torch.export.Dim("batch")
                 dims = {name: {0: batch} for name in tensors}
@@ -361,7 +391,7 @@ def _export_bytes(
                 )
                 buffer = io.BytesIO()
                 program.save(buffer, external_data=False)  # type: ignore[union-attr]
-                return buffer.getvalue()
+                return buffer.getvalue(), False  # torch.export refuses a branch on a value itself
             buffer = io.BytesIO()
             with _without_torch_ir_dump():
                 torch.onnx.export(
@@ -374,7 +404,7 @@ def _export_bytes(
                     dynamic_axes={name: {0: "batch"} for name in (*tensors, *outputs)},
                     **names,
                 )
-            return buffer.getvalue()
+        return buffer.getvalue(), branched_on_values(caught)
     except ExportError:
         raise
     except Exception as err:

@@ -65,6 +65,53 @@ def test_export_that_disagrees_with_torch_raises_and_writes_nothing(tmp_path):
     assert not path.exists() and not manifest_path(path).exists()
 
 
+class _ValueBranch(nn.Module):
+    """Takes one of two layers by its batch's mean: a trace records only the example's branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.mean() > 0.5:
+            return self.a(x)
+        return self.b(x) * 3.0
+
+
+class _ShapeTest(nn.Module):
+    """Tests a fixed axis's size: a Python bool to the tracer, harmless in the export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 4:
+            raise ValueError("4 features")
+        return self.linear(x)
+
+
+def test_a_branch_on_the_inputs_values_is_refused_not_frozen(tmp_path):
+    # the example and held-out rows all take branch b (mean 0.25): they alone would verify the frozen file
+    rows = np.full((8, 4), 0.25, np.float32)
+    path = tmp_path / "branch.onnx"
+    if ExportConfig().resolved_exporter() != "torchscript":
+        pytest.skip("only the TorchScript exporter traces a branch")
+    with pytest.raises(ExportError, match="branches on its input's values") as info:
+        export_onnx(_ValueBranch().eval(), rows[:2], path, held_out=rows, labelled=(rows, np.zeros(8)))
+    assert info.value.stage == "verify" and not path.exists()
+
+
+def test_a_test_of_a_fixed_axis_is_exported_with_one_warning(tmp_path, caplog):
+    rows = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    with caplog.at_level(logging.WARNING, logger="fedge"):
+        for name in ("a", "b"):
+            manifest = export_onnx(_ShapeTest().eval(), rows[:2], tmp_path / f"{name}.onnx", held_out=rows)
+            assert manifest.extra["max_abs_diff"] <= 1e-4
+    if ExportConfig().resolved_exporter() == "torchscript":
+        assert sum("turned a tensor into a Python bool" in r.getMessage() for r in caplog.records) == 1
+
+
 class _Unexportable(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.fft.fft(x.numpy()).real.astype(np.float32))  # leaves the graph
