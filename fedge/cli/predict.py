@@ -75,6 +75,10 @@ def predict(
     try:
         if input_file.suffix == ".npz":  # a model of several inputs: arrays by input name
             rows = read_named_inputs(input_file)
+            takes = [i.name for i in inputs]
+            if not set(takes) <= set(rows):  # more is fine: an exporter drops an input the model never reads
+                raise InputError(f"the model takes inputs {takes}; {input_file} holds {sorted(rows)}")
+            rows = {i.name: fit_to_shape(rows[i.name], i.shape) for i in inputs}
         else:
             rows = {inputs[0].name: fit_to_shape(read_inputs(input_file), inputs[0].shape)}
         count = len(next(iter(rows.values())))
@@ -90,13 +94,13 @@ def predict(
         raise fail(f"inference failed: {type(err).__name__}: {err}") from None
     empty = np.empty((0, 0), np.float32)
     named = {name: np.concatenate(parts) if parts else empty for name, parts in batches.items()}
+    broken = _non_finite_rows(named.values(), count)
+    if broken:  # NaN in, NaN out: argmax would call every such row class 0
+        typer.echo(f"warning: {broken} of {count} rows have NaN or infinite outputs", err=True)
     if len(named) > 1:  # every output by name, as they are
         _report_named(named, out, as_json, server.stats())
         return
     outputs = named[output_names[0]]
-    broken = int((~np.isfinite(outputs.reshape(len(outputs), -1))).any(axis=1).sum()) if outputs.size else 0
-    if broken:  # NaN in, NaN out: argmax would call every such row class 0
-        typer.echo(f"warning: {broken} of {len(outputs)} rows have NaN or infinite outputs", err=True)
     manifest = server.current.manifest
     values = manifest is not None and manifest.extra.get("outputs") == "values"  # a regressor's, say
     classify = not raw and not values and is_class_scores(outputs)
@@ -119,7 +123,8 @@ def predict(
     }
     if as_json:
         key = "predictions" if classify else "outputs"
-        typer.echo(json.dumps({**summary, key: predictions.tolist(), "output_shape": list(outputs.shape)}))
+        listed = _json_values(predictions)
+        typer.echo(json.dumps({**summary, key: listed, "output_shape": list(outputs.shape)}, allow_nan=False))
         return
     for i, row in enumerate(predictions):
         typer.echo(f"{i}\t{row if classify else np.array2string(np.asarray(row), precision=6)}")
@@ -141,7 +146,7 @@ def _report_named(named: dict, out: Path | None, as_json: bool, stats: Any) -> N
     rows = len(next(iter(named.values())))
     if as_json:
         shapes = {name: list(value.shape) for name, value in named.items()}
-        listed = {name: value.tolist() for name, value in named.items()}
+        listed = {name: _json_values(value) for name, value in named.items()}
         latency = {"p50_ms": stats.p50_ms, "p95_ms": stats.p95_ms, "p99_ms": stats.p99_ms}
         typer.echo(
             json.dumps(
@@ -151,7 +156,8 @@ def _report_named(named: dict, out: Path | None, as_json: bool, stats: Any) -> N
                     **latency,
                     "outputs": listed,
                     "output_shapes": shapes,
-                }
+                },
+                allow_nan=False,
             )
         )
         return
@@ -162,3 +168,23 @@ def _report_named(named: dict, out: Path | None, as_json: bool, stats: Any) -> N
         f"p50 {stats.p50_ms:.3f} ms, p95 {stats.p95_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms",
         err=True,
     )
+
+
+def _non_finite_rows(outputs: Any, rows: int) -> int:
+    """Rows (of ``rows``) with a NaN or an infinity in any of ``outputs`` (each batch first)."""
+    import numpy as np
+
+    bad = np.zeros(rows, bool)
+    for value in outputs:
+        if value.size and value.dtype.kind in "fc" and len(value) == rows:
+            bad |= ~np.isfinite(value.reshape(rows, -1)).all(axis=1)
+    return int(bad.sum())
+
+
+def _json_values(value: Any) -> list:
+    """``value.tolist()`` with NaN and infinities as null (JSON has neither)."""
+    import numpy as np
+
+    if value.dtype.kind not in "fc" or np.isfinite(value).all():
+        return value.tolist()
+    return np.where(np.isfinite(value), value, None).tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -47,7 +48,11 @@ def read_inputs(path: str | Path) -> np.ndarray:
             # mapped first: a header claiming more values than the file holds is refused, not allocated
             data = np.array(np.load(path, mmap_mode="r", allow_pickle=False))
         elif path.suffix in (".csv", ".txt"):
-            data = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+            with warnings.catch_warnings():  # an empty file: numpy's warning, then our one line below
+                warnings.simplefilter("ignore", UserWarning)
+                data = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+            if not data.size:
+                raise InputError(f"{path} holds no rows")
         else:
             raise InputError(f"input file {path} must be .npy or .csv")
     except (OSError, ValueError, EOFError, MemoryError) as err:

@@ -285,25 +285,32 @@ class ModelServer:
         input_types: dict[str, np.dtype],
         canary: Canary | None,
     ) -> float | None:
-        """Warm the new session (on the canary when there is one) and judge its outputs."""
+        """Warm the new session (on the canary when there is one) and judge its outputs.
+
+        Without a canary the warm-up feeds zeros, then ones if zeros give a NaN or an infinity: a masked
+        mean or softmax divides by zero on an all-zero mask, and such a model is not broken. A model
+        non-finite on both (NaN weights, say) is refused (reason ``warm-up``).
+        """
+        if canary is None:  # zeros for every input (a pipeline stage may have several), then ones
+            zeros = {i.name: zeros_input(i.shape, input_types[i.name]) for i in session.get_inputs()}
+            if output_is_finite(self._warm_up(session, zeros, "warm-up")):
+                return None
+            ones = {name: np.ones_like(array) for name, array in zeros.items()}
+            if not output_is_finite(self._warm_up(session, ones, "warm-up")):
+                raise ModelCheckError(
+                    "warm-up", "outputs are not finite (NaN or inf) on all-zero and on all-one inputs"
+                )
+            return None
         try:
-            if canary is None:  # zeros for every input (a pipeline stage may have several)
-                feed = {i.name: zeros_input(i.shape, input_types[i.name]) for i in session.get_inputs()}
-            elif len(input_types) > 1:
+            if len(input_types) > 1:
                 raise InputError(f"the canary set feeds one input; this model takes {', '.join(input_types)}")
-            else:
-                feed = {input_name: as_input(canary.inputs, input_types[input_name], "the canary's inputs")}
+            feed = {input_name: as_input(canary.inputs, input_types[input_name], "the canary's inputs")}
         except InputError as err:  # the canary does not fit this model's input type
             raise ModelCheckError("canary", str(err)) from err
-        try:
-            outputs: list[np.ndarray] = []
-            for _ in range(max(1, self.warmup_runs)):
-                outputs = session.run(None, feed)
-        except Exception as err:
-            raise ModelCheckError("canary", f"inference failed: {type(err).__name__}: {err}") from err
+        outputs = self._warm_up(session, feed, "canary")
         if not output_is_finite(outputs):
             raise ModelCheckError("canary", "outputs are not finite (NaN or inf)")
-        if canary is None or canary.labels is None:
+        if canary.labels is None:
             return None
         accuracy = float((outputs[0].argmax(axis=1) == canary.labels).mean())
         if accuracy < canary.min_accuracy:
@@ -311,6 +318,16 @@ class ModelServer:
                 "canary", f"canary accuracy {accuracy:.3f} is below the bound {canary.min_accuracy:.3f}"
             )
         return accuracy
+
+    def _warm_up(self, session: ort.InferenceSession, feed: dict[str, np.ndarray], reason: str) -> list:
+        """The outputs of ``warmup_runs`` runs on ``feed``; a failure refuses the model as ``reason``."""
+        try:
+            outputs: list[np.ndarray] = []
+            for _ in range(max(1, self.warmup_runs)):
+                outputs = session.run(None, feed)
+        except Exception as err:
+            raise ModelCheckError(reason, f"inference failed: {type(err).__name__}: {err}") from err
+        return outputs
 
     def count_refusal(self, reason: str) -> None:
         """Count a model refused before it reached :meth:`swap` (a malformed manifest, say)."""

@@ -370,13 +370,17 @@ def test_a_version_served_before_and_published_again_is_installed_again(
     fp32_path, fp32 = variants["fp32"]
     other_path, other = variants["int8-static"]
     with _agent(mqtt, tmp_path) as agent:
-        for version, path, manifest in (
-            ("a", fp32_path, fp32),
-            ("b", other_path, other),
-            ("a", fp32_path, fp32),
+        for count, (version, path, manifest) in enumerate(
+            (("a", fp32_path, fp32), ("b", other_path, other), ("a", fp32_path, fp32)), start=1
         ):
             _publish(publisher, path, manifest, version)
-            wait_until(lambda v=version: agent.server.serving_version == v, 30, what=f"{version} served")
+            wait_until(  # the swap log's entry follows the swap itself
+                lambda v=version, n=count: (
+                    agent.server.serving_version == v and sum(e["ok"] for e in agent.swap_log) >= n
+                ),
+                30,
+                what=f"{version} served",
+            )
         assert [e["version"] for e in agent.swap_log if e["ok"]] == ["a", "b", "a"]
 
 

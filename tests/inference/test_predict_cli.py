@@ -69,7 +69,15 @@ def test_predict_csv_rows_are_reshaped_and_json(variants, digits_test, tmp_path)
 def test_bad_inputs_end_in_one_line(variants, tmp_path):
     wrong = tmp_path / "wrong.csv"
     wrong.write_text("1,2,3\n")
+    (tmp_path / "empty.csv").write_text("")
+    np.savez(tmp_path / "unnamed.npz", np.zeros((2, 64), np.float32))  # key arr_0, not the model's input
+    np.savez(tmp_path / "flat.npz", input=np.zeros((2, 64), np.float32), unused=np.zeros(2))
     cases = [
+        (["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "empty.csv")], "holds no rows"),
+        (
+            ["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "unnamed.npz")],
+            "takes inputs ['input']",
+        ),
         (["--model", str(tmp_path / "missing.onnx"), "--input", str(wrong)], "does not exist"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong)], "3 values but the model takes 64"),
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "nope.npy")], "does not exist"),
@@ -82,6 +90,12 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
     for args, message in cases:
         result = runner.invoke(app, ["predict", *args])
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1 or "Usage:" in result.output, result.output
+    # flat rows in an .npz are shaped as a .csv's are; a name the model does not read is left out
+    result = runner.invoke(
+        app, ["predict", "--model", str(variants["fp32"][0]), "--input", str(tmp_path / "flat.npz")]
+    )
+    assert result.exit_code == 0, result.output
 
 
 def test_a_model_of_two_outputs_reports_both_and_of_two_inputs_asks_for_an_npz(tmp_path):
@@ -122,6 +136,20 @@ def test_a_model_of_two_outputs_reports_both_and_of_two_inputs_asks_for_an_npz(t
     np.testing.assert_allclose(got[1], second, atol=1e-5)
     with np.load(tmp_path / "y.npz") as saved:
         assert sorted(saved.files) == sorted(report["outputs"])
+    rows[2] = np.nan  # warned about as one model's are, and null in the JSON, which has no NaN
+    np.save(tmp_path / "nan.npy", rows)
+    nan_args = [
+        "predict",
+        "--model",
+        str(tmp_path / "two.onnx"),
+        "--input",
+        str(tmp_path / "nan.npy"),
+        "--json",
+    ]
+    result = runner.invoke(app, nan_args)
+    assert result.exit_code == 0 and "warning: 1 of 5 rows have NaN or infinite outputs" in result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1], parse_constant=pytest.fail)
+    assert all(value is None for output in report["outputs"].values() for value in output[2])
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "y.csv")])
     assert result.exit_code == 2 and "2 outputs" in result.output and ".npz" in result.output
 

@@ -30,6 +30,31 @@ def _nan_model() -> bytes:
     return model.SerializeToString()
 
 
+def _graph(*nodes: tuple[str, list[str], str]) -> bytes:
+    """A float model of input ``x`` [batch, 4] and output ``y`` from ``(op, inputs, output)`` nodes."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    made = [helper.make_node(op, inputs, [output]) for op, inputs, output in nodes]
+    model = helper.make_model(
+        helper.make_graph(made, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)]
+    )
+    model.ir_version = 9
+    return model.SerializeToString()
+
+
+def test_without_a_canary_a_model_nan_only_on_zeros_is_served_and_one_nan_everywhere_is_not():
+    server = ModelServer(SessionConfig(intra_op_threads=1))
+    # x / sum(x): a masked mean's 0 / 0 on an all-zero mask, finite on any real one
+    masked = _graph(("ReduceSum", ["x"], "total"), ("Div", ["x", "total"], "y"))
+    result = server.swap(masked, None, version="masked")
+    assert result.ok, result.message
+    assert np.allclose(server.predict(np.ones((1, 4), np.float32)), 0.25)
+    broken = _graph(("Sub", ["x", "x"], "zero"), ("Div", ["zero", "zero"], "y"))  # NaN on every input
+    result = server.swap(broken, None, version="broken")
+    assert not result.ok and result.reason == "warm-up" and "all-one" in result.message
+    assert server.version == "masked" and server.failed_swaps == {"warm-up": 1}
+
+
 def test_predict_reports_version_and_percentiles(variants, digits_test):
     server = ModelServer(SessionConfig(intra_op_threads=1))
     result = server.load(variants["fp32"][0])
