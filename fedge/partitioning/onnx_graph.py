@@ -256,6 +256,12 @@ def _flops(
     if op in ("Gemm", "MatMul"):
         transposed = op == "Gemm" and any(at.name == "transA" and at.i for at in node.attribute)
         return 2.0 * out * dim_from_end(types.get(node.input[0]), 2 if transposed else 1)
+    if op in ("LSTM", "GRU", "RNN"):  # every step: the input and hidden weights times their vectors
+        w, r = (next((i for i in g.initializer if i.name == name), None) for name in node.input[1:3])
+        if w is None or r is None or len(w.dims) != 3:
+            return 0.0
+        steps = _fixed_elements(node.input[0], types, measured) / max(1, w.dims[2])
+        return 2.0 * steps * (math.prod(w.dims) + math.prod(r.dims))
     if op in ("MaxPool", "AveragePool"):
         kernel = next((list(at.ints) for at in node.attribute if at.name == "kernel_shape"), [1])
         return float(out * math.prod(kernel))
@@ -264,6 +270,18 @@ def _flops(
     if op in _ELEMENTWISE:
         return float(out)
     return 0.0  # data movement: Reshape, Transpose, Gather, Concat, Flatten, ...
+
+
+def _fixed_elements(name: str, types: dict, measured: dict) -> int:
+    """Elements per example of a tensor whose batch axis need not be the first (a recurrent layer's
+    time-major input): its fixed dims' product, when it was not measured."""
+    if name in measured:
+        return elements(name, types, measured)
+    tp = types.get(name)
+    if tp is None or not tp.tensor_type.HasField("shape"):
+        return 0
+    axes = tp.tensor_type.shape.dim
+    return math.prod(d.dim_value for d in axes if d.HasField("dim_value")) if len(axes) else 0
 
 
 def extract_stage(model: onnx.ModelProto, graph: ModelGraph, start: int, end: int) -> onnx.ModelProto:

@@ -13,14 +13,15 @@ from pathlib import Path
 import torch
 from flwr.app import Message
 from flwr.serverapp import Grid
-from torch.utils.flop_counter import FlopCounterMode
 
 from fedge.app.features import Features, apply, forward, rows
+from fedge.app.flops import flop_counter
 from fedge.app.task import PreparedTask
 from fedge.config import ConfigError
 from fedge.devices.fleet import assign_fleet
 from fedge.devices.synthetic import diurnal_trace, random_trace
 from fedge.devices.traces import AvailabilityTrace, read_availability
+from fedge.server.model_inputs import flat_outputs
 from fedge.simulation.clock_grid import ClockGrid
 from fedge.simulation.config import SimulationConfig
 
@@ -36,10 +37,11 @@ def training_flops_per_example(model: torch.nn.Module, example: Features) -> flo
     Counted on a batch of two copies and halved: a BatchNorm1d in training mode refuses a batch of one.
     """
     model = model.train()
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     with counter:
         output = forward(model, apply(example, lambda part: torch.stack([part, part])))
-        output.float().sum().backward()
+        # a model of several outputs (a tuple, a dict): every floating one takes part in the loss
+        sum(t.float().sum() for t in flat_outputs(output) if t.is_floating_point()).backward()
     model.zero_grad(set_to_none=True)
     return float(counter.get_total_flops()) / 2
 

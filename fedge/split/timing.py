@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from fedge.app.flops import flop_counter
 from fedge.devices.clock import transfer
 from fedge.devices.fleet import LinkProfile
 from fedge.split.model import segment
@@ -65,9 +65,9 @@ def stage_flops(stage: nn.Module, example: torch.Tensor) -> StageFlops:
     stage.train()
     # two copies, halved: a BatchNorm1d in training mode refuses a batch of one
     inputs = torch.stack([example, example]).detach().requires_grad_(False)
-    with FlopCounterMode(display=False) as forward:
+    with flop_counter() as forward:
         output = stage(inputs)
-    with FlopCounterMode(display=False) as backward:
+    with flop_counter() as backward:
         output.float().sum().backward()
     stage.zero_grad(set_to_none=True)
     return StageFlops(float(forward.get_total_flops()) / 2, float(backward.get_total_flops()) / 2)
