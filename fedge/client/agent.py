@@ -52,6 +52,7 @@ from fedge.importing import import_attribute
 from fedge.protocol.envelope import encode_message
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.endpoints import Delivery, NodeEndpoint
+from fedge.transport.rejections import RejectionLog
 from fedge.transport.signing import (
     INSTRUCTION_REFUSED,
     InstructionVerifier,
@@ -148,12 +149,13 @@ class DeviceAgent:
         self._endpoint = NodeEndpoint(config.mqtt, config.node_id, on_message=self._on_delivery)
         self.handled = 0
         self.refused: Counter[str] = Counter()
+        self._refusal_log = RejectionLog()
 
     def start(self) -> None:
         """Connect, report the device profile and finish instructions left by a crash."""
         self._endpoint.start()
-        self._endpoint.send(
-            dataclasses.replace(measure_device(), **self.config.link).to_bytes(),
+        self._endpoint.send(  # signed as replies are: the coordinator samples and budgets by it
+            self._sign(dataclasses.replace(measure_device(), **self.config.link).to_bytes()),
             message_id=f"{PROFILE_PREFIX}{self._endpoint.epoch}",
             expiry_s=3600,
         )
@@ -253,8 +255,13 @@ class DeviceAgent:
 
     def _refusal_bytes(self, instruction_id: str, refused: _Refused) -> bytes:
         """A Flower error reply if the instruction decoded, else a refusal notice; logged and counted."""
-        log.warning("refused instruction %s: %s", instruction_id, refused.refusal)
         self.refused[refused.refusal.reason] += 1
+        # a flood of forged instructions (an open broker) must not fill the device's log: the first of a
+        # reason at once, then one line a minute saying how many
+        reason, detail = refused.refusal.reason, str(refused.refusal)
+        for report in self._refusal_log.drop("inbox", instruction_id, reason, detail, time.time()):
+            more = f" ({report.count} refused for {reason} since the last line)" if report.count > 1 else ""
+            log.warning("refused instruction %s: %s%s", report.server_round, report.detail, more)
         if refused.message is not None:
             reply = error_reply(refused.message, INSTRUCTION_REFUSED, str(refused.refusal))
             return self._sign(message_to_bytes(reply))

@@ -81,8 +81,8 @@ class DeviceProfile:
             raise ConfigError(f"profile of {len(data)} bytes exceeds {MAX_PROFILE_BYTES}")
         try:
             table = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ConfigError(f"profile is not JSON: {err}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:  # [[[[... nests past the stack
+            raise ConfigError(f"profile is not JSON: {type(err).__name__}: {err}"[:200]) from None
         if not isinstance(table, Mapping):
             raise ConfigError("profile is not a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -110,7 +110,7 @@ class ModelDistributor:
             return
         try:
             status = json.loads(payload) if payload else None
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the stack: malformed all the same
             return  # a device's status is advisory; a malformed one is ignored
         if not isinstance(status, dict):
             return

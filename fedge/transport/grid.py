@@ -234,11 +234,8 @@ class MqttGrid(RunGrid):
     # -- replies ---------------------------------------------------------------------------------------
 
     def _on_delivery(self, delivery: Delivery) -> None:
-        if delivery.message_id.startswith(PROFILE_PREFIX):
-            self._on_profile(delivery)
-            return
         payload = bytes(delivery.payload)
-        if self._node_keys is not None:
+        if self._node_keys is not None:  # a profile too: it steers sampling and upload budgets
             key = self._node_keys.get(delivery.node_id)
             try:
                 if key is None:
@@ -247,6 +244,9 @@ class MqttGrid(RunGrid):
             except SignatureError as err:
                 self._reject(delivery.node_id, "?", "signature", str(err))
                 return
+        if delivery.message_id.startswith(PROFILE_PREFIX):
+            self._on_profile(delivery.node_id, payload)
+            return
         if is_refusal(payload):
             self._on_refusal(delivery, payload)
             return
@@ -351,14 +351,14 @@ class MqttGrid(RunGrid):
         event = "failed" if reply.has_error() else "accepted"
         self._record(event, delivery.node_id, awaited.server_round, instruction=instruction_id)
 
-    def _on_profile(self, delivery: Delivery) -> None:
+    def _on_profile(self, node_id: str, payload: bytes) -> None:
         try:
-            profile = DeviceProfile.from_bytes(bytes(delivery.payload))
+            profile = DeviceProfile.from_bytes(payload)
         except ConfigError as err:
-            self._reject(delivery.node_id, "-", "bad-profile", str(err))
+            self._reject(node_id, "-", "bad-profile", str(err))
             return
-        self.profiles[delivery.node_id] = profile
-        log.info("node %s profile: %s", delivery.node_id, profile)
+        self.profiles[node_id] = profile
+        log.info("node %s profile: %s", node_id, profile)
 
     def _finish(self, instruction_id: str) -> None:
         self._finished[instruction_id] = None

@@ -108,7 +108,8 @@ def counting(monkeypatch) -> list[int]:
     return runs
 
 
-def test_only_instructions_the_coordinator_signed_are_run(mqtt, tmp_path, counting):
+def test_only_instructions_the_coordinator_signed_are_run(mqtt, tmp_path, counting, caplog):
+    caplog.set_level(logging.WARNING, logger="fedge.client.agent")
     key, public = _keypair(tmp_path, "coordinator")
     rogue_key, _ = _keypair(tmp_path, "rogue")
     broker = mqtt()
@@ -133,6 +134,9 @@ def test_only_instructions_the_coordinator_signed_are_run(mqtt, tmp_path, counti
         agent.close()
     assert counting == [1, 2], "a refused instruction ran the ClientApp"
     assert agent.refused == {"signature": 2}
+    # every refusal counted; the log says the first of a reason at once, the rest at most once a minute
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused instruction")]
+    assert len(lines) == 1, lines
     refused = [e for e in audit if e["event"] == "refused"]
     assert [e["reason"] for e in refused] == ["signature", "signature"]
     assert "not signed" in refused[0]["detail"] and "does not trust" in refused[1]["detail"]

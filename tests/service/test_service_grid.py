@@ -132,6 +132,27 @@ def test_signed_replies_are_checked_per_node(mqtt):
             bob.close()
 
 
+def test_with_node_keys_a_profile_must_be_signed_too(mqtt):
+    # a forged profile steers memory-aware sampling and upload budgets as a forged reply steers the model
+    keys = {"bob": b"k" * 32}
+    with MqttGrid(mqtt(), node_keys=keys) as grid:
+        bob = _node(mqtt, "bob")
+        try:
+            bob.send(json.dumps({"cpus": 1, "platform": "forged"}).encode(), message_id="profile:1").wait(10)
+            wait_until(lambda: grid.dropped["signature"] == 1, 10)
+            assert "bob" not in grid.profiles
+            bob.send(sign(keys["bob"], json.dumps({"cpus": 4}).encode()), message_id="profile:2").wait(10)
+            wait_until(lambda: "bob" in grid.profiles, 10)
+            nested = (
+                b"[" * 5000 + b"]" * 5000
+            )  # past json's recursion limit: one counted line, not a traceback
+            bob.send(sign(keys["bob"], nested), message_id="profile:3").wait(10)
+            wait_until(lambda: grid.dropped["bad-profile"] == 1, 10)
+        finally:
+            bob.close()
+    assert grid.profiles["bob"] == DeviceProfile(cpus=4)
+
+
 def test_profile_messages_are_size_checked(mqtt):
     with MqttGrid(mqtt()) as grid:
         node = _node(mqtt, "carol")
