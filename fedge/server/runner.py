@@ -31,6 +31,7 @@ from fedge.flower.compat import ensure_task_identity
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
 from fedge.server.metered_grid import MeteredGrid
 from fedge.server.round_figures import evaluation_figures, train_figures
+from fedge.server.run_failures import FailureWatch, RunFailed, error_summary, trained
 
 if TYPE_CHECKING:
     from fedge.server.model_export import ModelExporter
@@ -48,18 +49,6 @@ log = logging.getLogger(__name__)
 
 RoundEnd = Callable[[int, ArrayRecord, RunHistory], None]
 """``(round, global model, history)`` after a round is recorded, before listeners hear of it."""
-
-
-class RunFailed(RuntimeError):
-    """The run stopped because it was not training: no client update was accepted for too long.
-
-    ``client_traceback`` says whether the first cause is a client's exception (whose whole traceback the
-    logs hold), rather than a deadline, an availability trace or screening.
-    """
-
-    def __init__(self, message: str, *, client_traceback: bool = False) -> None:
-        super().__init__(message)
-        self.client_traceback = client_traceback
 
 
 @dataclass
@@ -180,13 +169,28 @@ def run_rounds(
     if type(strategy).start is Strategy.start:  # Flower's round loop: record each round's train metrics
         strategy = _RoundOffset(strategy, done)
     round_started = time.perf_counter()
-    failures = _FailureWatch(run.max_failed_rounds)
+    failures = FailureWatch(run.max_failed_rounds)
+    kept: tuple[ArrayRecord, Mapping[str, float]] | None = None  # the last model whose loss was finite
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        nonlocal round_started
+        nonlocal round_started, kept
         if server_round == 0 and resume is not None:
             return MetricRecord()  # the resumed model was evaluated before the restart
         result = run.evaluate(arrays)
+        rolled_back = False
+        if math.isfinite(result["loss"]):
+            kept = (arrays, result)
+        elif server_round > 0 and kept is not None and isinstance(strategy, _RoundOffset):
+            # The aggregate computes NaN (one client's finite but huge update, a codec that pushed a
+            # variance below zero): from it, every honest update would be NaN too. Its round is undone.
+            log.warning(
+                "round %d: the aggregated model's loss is %s: it is dropped and the previous model kept "
+                "(an update of huge values? max_norm_ratio or a robust strategy rejects those)",
+                server_round + done,
+                result["loss"],
+            )
+            (arrays, result), rolled_back = kept, True
+            strategy.keep(arrays)
         if server_round == 0:
             history.initial_accuracy = result["accuracy"]
         else:
@@ -205,6 +209,8 @@ def run_rounds(
                 timeline=traffic.clock.get("timeline", []),
             )
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
+            if rolled_back:
+                metrics.extra["rolled_back"] = 1
             if not math.isfinite(metrics.accuracy) and all(math.isfinite(r.accuracy) for r in history.rounds):
                 log.warning(
                     "round %d: the task's evaluate() returned accuracy %s", server_round, metrics.accuracy
@@ -223,9 +229,9 @@ def run_rounds(
             # Flower's loop hands train metrics to _RoundOffset; a strategy with a loop of its own (FedBuff)
             # keeps them by round itself
             keeper = strategy if isinstance(strategy, _RoundOffset) else reporter
-            trained = getattr(keeper, "train_metrics", None)
-            if isinstance(trained, dict):
-                for key, value in train_figures(trained.pop(server_round, None)).items():
+            by_round = getattr(keeper, "train_metrics", None)
+            if isinstance(by_round, dict):
+                for key, value in train_figures(by_round.pop(server_round, None)).items():
                     metrics.extra.setdefault(key, value)
             if run.round_extras is not None:
                 metrics.extra.update(run.round_extras())
@@ -236,7 +242,7 @@ def run_rounds(
             final = server_round >= run.num_rounds or bool(stop)
             # a round that accepted no update left the model as it was: no new version for the fleet (a run
             # that never trains publishes none)
-            moved = _trained(metrics) or (final and any(map(_trained, history.rounds)))
+            moved = trained(metrics) or (final and any(map(trained, history.rounds)))
             if run.exporter is not None and moved:
                 run.exporter.after_round(server_round, arrays, history, final=final)
             if run.out_dir:  # people (and tools) can follow a long run in metrics.json
@@ -297,98 +303,6 @@ def _stop_reason(run: FederatedRun, metrics: RoundMetrics) -> str:
     return ""
 
 
-def _trained(metrics: RoundMetrics) -> bool:
-    """Whether the round accepted an update (so the global model moved)."""
-    return bool(metrics.extra.get("accepted", metrics.clients_replied))
-
-
-class _FailureWatch:
-    """Counts rounds in which no update was accepted; says why, and stops a run that is not training."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.in_a_row, self.first_error = limit, 0, ""
-        self._reported = ""  # the last client failure warned about: the same one again is logged at INFO
-
-    def check(self, metrics: RoundMetrics, first_error: str, failed: int = 0) -> None:
-        if _trained(metrics):
-            self.in_a_row = 0
-            if failed:  # the round trained, without some clients: say who failed and why
-                cause = error_summary(first_error)
-                level = logging.INFO if cause == self._reported else logging.WARNING
-                self._reported = cause
-                log.log(
-                    level,
-                    "round %d: %d of %d sampled clients failed; first: %s",
-                    metrics.round,
-                    failed,
-                    metrics.clients_sampled,
-                    cause,
-                )
-            return
-        self.in_a_row += 1
-        self.first_error = self.first_error or first_error or _rejections(metrics) or _clock_cause(metrics)
-        cause = (
-            error_summary(first_error)
-            or _rejections(metrics)
-            or _clock_cause(metrics)
-            or "no client replied in time"
-        )
-        log.warning(
-            "round %d: none of the %d sampled clients' updates was accepted; first: %s",
-            metrics.round,
-            metrics.clients_sampled,
-            cause,
-        )
-        if first_error:
-            log.info("round %d: the first client error in full:\n%s", metrics.round, first_error)
-        if self.limit and self.in_a_row >= self.limit:
-            raise RunFailed(
-                f"no client update was accepted in {self.in_a_row} consecutive rounds; first: {cause}",
-                client_traceback="Traceback" in first_error,
-            )
-
-    def check_run(self, history: RunHistory) -> None:
-        if history.rounds and not any(map(_trained, history.rounds)):
-            cause = error_summary(self.first_error) or "no client replied in time"
-            raise RunFailed(
-                f"no client update was accepted in any round; first: {cause}",
-                client_traceback="Traceback" in self.first_error,
-            )
-
-
-def _clock_cause(metrics: RoundMetrics) -> str:
-    """Why a simulated clock's round got no reply, from its timeline (clients cut off by their availability,
-    replies after the deadline), or "" without one."""
-    statuses = [row.get("status") for row in metrics.timeline]
-    n = len(statuses)
-    causes = [
-        f"{statuses.count('cut_off')} of {n} clients went away (their availability) before replying",
-        f"{statuses.count('late')} of {n} replies came after the deadline",
-    ]
-    return "; ".join(cause for cause in causes if not cause.startswith("0 of"))
-
-
-def _rejections(metrics: RoundMetrics) -> str:
-    """The round's rejected replies by reason ("rejected by screening: bad_weight x4"), or "" if none."""
-    counts = {
-        key.removeprefix("rejected_"): int(value)
-        for key, value in metrics.extra.items()
-        if key.startswith("rejected_") and value
-    }
-    if not counts:
-        return ""
-    return "rejected by screening: " + ", ".join(f"{reason} x{n}" for reason, n in sorted(counts.items()))
-
-
-def error_summary(text: str) -> str:
-    """The line of a traceback people need first: its last, with the partition named in its first."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    head = lines[0].split(":", 1)[0] if lines[0].startswith(("partition ", "node ")) else ""
-    return f"{head}: {lines[-1]}" if head and len(lines) > 1 else lines[-1]
-
-
 def _strategy_round_metrics(strategy: Strategy, server_round: int) -> dict[str, float]:
     """Per-round figures a compressing strategy reports (bytes, compression ratio, rejected replies)."""
     round_metrics = getattr(strategy, "round_metrics", None)
@@ -402,8 +316,15 @@ class _RoundOffset(Strategy):
     def __init__(self, inner: Strategy, offset: int) -> None:
         self.inner, self.offset = inner, offset
         self.train_metrics: dict[int, MetricRecord | None] = {}  # round -> what aggregate_train returned
+        self._kept: ArrayRecord | None = None
+
+    def keep(self, arrays: ArrayRecord) -> None:
+        """Train the next round from ``arrays`` instead of the aggregate Flower's loop holds (a rollback)."""
+        self._kept = arrays
 
     def configure_train(self, server_round, arrays, config, grid):
+        if self._kept is not None:
+            arrays, self._kept = self._kept, None
         return self.inner.configure_train(server_round + self.offset, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):

@@ -105,6 +105,7 @@ class StreamingFedAvg(FedAvg):
         self.optimizer = optimizer or ServerOptimizer()
         self.channel = CompressedChannel(self.compression, weighted_by_key)
         self._model: dict[str, np.ndarray] | None = None
+        self._returned: ArrayRecord | None = None  # the last aggregate handed to Flower's loop
         self._dtypes: dict[str, str] = {}
 
     def summary(self) -> None:
@@ -130,7 +131,7 @@ class StreamingFedAvg(FedAvg):
         from the links agents declare; the metering Grid forwards it). A node whose link is unknown gets
         the budget's ``default_codec`` (or ``compression.codec``).
         """
-        if self._model is None:
+        if self._model is None or arrays is not self._returned:  # the loop's model: a rolled-back one, say
             self._model, self._dtypes = record_to_arrays(arrays)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         codecs = None
@@ -164,7 +165,8 @@ class StreamingFedAvg(FedAvg):
         del running
         self.channel.count(server_round, [reply.node_id for reply in aggregated])
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
-        return arrays_to_record(self._model, self._dtypes), metrics
+        self._returned = arrays_to_record(self._model, self._dtypes)
+        return self._returned, metrics
 
     def _screen(self, server_round: int, replies: Iterable[Message]) -> list[ScreenedReply]:
         """The round's replies that passed screening (logged when there is none)."""

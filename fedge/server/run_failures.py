@@ -1,0 +1,129 @@
+"""When a run is not training: rounds without an accepted update, counted, explained and stopped.
+
+A run that trains nothing must not pass for a success. :class:`FailureWatch` counts the rounds in a row
+whose updates were all rejected, lost or rolled back, logs the first cause in one line (a client's exception,
+screening's reasons, the simulated clock's cut-offs), and raises :class:`RunFailed` after the limit, or at
+the end of a run that never trained.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fedge.reporting.history import RoundMetrics, RunHistory
+
+__all__ = ["FailureWatch", "RunFailed", "error_summary", "trained"]
+
+log = logging.getLogger("fedge.server.runner")  # the runner's lines, as they were
+
+_ROLLED_BACK = "the aggregated model's loss was not finite: the previous model was kept"
+
+
+class RunFailed(RuntimeError):
+    """The run stopped because it was not training: no client update was accepted for too long.
+
+    ``client_traceback`` says whether the first cause is a client's exception (whose whole traceback the
+    logs hold), rather than a deadline, an availability trace or screening.
+    """
+
+    def __init__(self, message: str, *, client_traceback: bool = False) -> None:
+        super().__init__(message)
+        self.client_traceback = client_traceback
+
+
+def trained(metrics: RoundMetrics) -> bool:
+    """Whether the round accepted an update (so the global model moved), and kept it."""
+    if metrics.extra.get("rolled_back"):
+        return False
+    return bool(metrics.extra.get("accepted", metrics.clients_replied))
+
+
+class FailureWatch:
+    """Counts rounds in which no update was accepted; says why, and stops a run that is not training."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row, self.first_error = limit, 0, ""
+        self._reported = ""  # the last client failure warned about: the same one again is logged at INFO
+
+    def check(self, metrics: RoundMetrics, first_error: str, failed: int = 0) -> None:
+        if trained(metrics):
+            self.in_a_row = 0
+            if failed:  # the round trained, without some clients: say who failed and why
+                cause = error_summary(first_error)
+                level = logging.INFO if cause == self._reported else logging.WARNING
+                self._reported = cause
+                log.log(
+                    level,
+                    "round %d: %d of %d sampled clients failed; first: %s",
+                    metrics.round,
+                    failed,
+                    metrics.clients_sampled,
+                    cause,
+                )
+            return
+        self.in_a_row += 1
+        rolled_back = _ROLLED_BACK if metrics.extra.get("rolled_back") else ""
+        self.first_error = (
+            self.first_error or rolled_back or first_error or _rejections(metrics) or _clock_cause(metrics)
+        )
+        cause = (
+            rolled_back
+            or error_summary(first_error)
+            or _rejections(metrics)
+            or _clock_cause(metrics)
+            or "no client replied in time"
+        )
+        log.warning(
+            "round %d: none of the %d sampled clients' updates was accepted; first: %s",
+            metrics.round,
+            metrics.clients_sampled,
+            cause,
+        )
+        if first_error:
+            log.info("round %d: the first client error in full:\n%s", metrics.round, first_error)
+        if self.limit and self.in_a_row >= self.limit:
+            raise RunFailed(
+                f"no client update was accepted in {self.in_a_row} consecutive rounds; first: {cause}",
+                client_traceback="Traceback" in first_error,
+            )
+
+    def check_run(self, history: RunHistory) -> None:
+        if history.rounds and not any(map(trained, history.rounds)):
+            cause = error_summary(self.first_error) or "no client replied in time"
+            raise RunFailed(
+                f"no client update was accepted in any round; first: {cause}",
+                client_traceback="Traceback" in self.first_error,
+            )
+
+
+def _clock_cause(metrics: RoundMetrics) -> str:
+    """Why a simulated clock's round got no reply, from its timeline (clients cut off by their availability,
+    replies after the deadline), or "" without one."""
+    statuses = [row.get("status") for row in metrics.timeline]
+    n = len(statuses)
+    causes = [
+        f"{statuses.count('cut_off')} of {n} clients went away (their availability) before replying",
+        f"{statuses.count('late')} of {n} replies came after the deadline",
+    ]
+    return "; ".join(cause for cause in causes if not cause.startswith("0 of"))
+
+
+def _rejections(metrics: RoundMetrics) -> str:
+    """The round's rejected replies by reason ("rejected by screening: bad_weight x4"), or "" if none."""
+    counts = {
+        key.removeprefix("rejected_"): int(value)
+        for key, value in metrics.extra.items()
+        if key.startswith("rejected_") and value
+    }
+    if not counts:
+        return ""
+    return "rejected by screening: " + ", ".join(f"{reason} x{n}" for reason, n in sorted(counts.items()))
+
+
+def error_summary(text: str) -> str:
+    """The line of a traceback people need first: its last, with the partition named in its first."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    head = lines[0].split(":", 1)[0] if lines[0].startswith(("partition ", "node ")) else ""
+    return f"{head}: {lines[-1]}" if head and len(lines) > 1 else lines[-1]

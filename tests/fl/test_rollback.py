@@ -1,0 +1,64 @@
+"""A round whose aggregate computes NaN is undone: the previous model is kept and training goes on.
+
+One client's finite but huge update (3e38 in every weight, in one round) passes a finiteness test and
+turns the average into a model whose loss is NaN; from it every honest update is NaN too, so before the
+rollback the run never recovered.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from fl_helpers import reference_app, run
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType
+from flwr.serverapp.strategy import FedAvg
+
+from fedge.client import CompressionMod
+from fedge.protocol.records import arrays_to_record, record_to_arrays
+from fedge.server import CompressionConfig, ServerOptimizer, StreamingFedAvg
+from fedge.simulation.local_grid import LocalGrid
+
+NODES = 4
+POISONED_ROUND = 2
+
+
+def _huge_once(msg: Message, context: Context, call_next) -> Message:
+    """Partition 0 replies 1e30 in every floating weight (finite, its norm too) in round POISONED_ROUND."""
+    reply = call_next(msg, context)
+    config = msg.content["config"] if msg.metadata.message_type == MessageType.TRAIN else {}
+    poisoned = (
+        int(config.get("server-round", 0)) == POISONED_ROUND and context.node_config["partition-id"] == 0
+    )
+    if reply.has_error() or not poisoned:
+        return reply
+    arrays, _ = record_to_arrays(reply.content["arrays"])
+    huge = {n: np.full_like(v, 1e30) if v.dtype.kind == "f" else v for n, v in arrays.items()}
+    reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in huge.items()})
+    return reply
+
+
+def test_a_round_whose_aggregate_computes_nan_is_rolled_back_and_training_goes_on():
+    history = run(LocalGrid(reference_app([_huge_once]), NODES), FedAvg(fraction_evaluate=0.0), rounds=5)
+    rounds = history.rounds
+    assert [r.extra.get("rolled_back", 0) for r in rounds] == [0, 1, 0, 0, 0]
+    # the kept model is round 1's, evaluated as it was; the rounds after it train from it
+    assert rounds[1].accuracy == rounds[0].accuracy and rounds[1].loss == rounds[0].loss
+    assert all(math.isfinite(r.loss) for r in rounds)
+    assert rounds[-1].accuracy > rounds[0].accuracy
+
+
+def test_a_compressing_strategy_trains_from_the_model_the_loop_hands_in():
+    """A rollback hands the round loop's next configure_train the kept model, not the last aggregate:
+    StreamingFedAvg, which holds its model between rounds, must take it."""
+    strategy = StreamingFedAvg(CompressionConfig("fp32"), ServerOptimizer("avg"), fraction_evaluate=0.0)
+    grid = LocalGrid(reference_app([CompressionMod()]), 2)
+    first, kept = {"w": np.zeros(3, np.float32)}, {"w": np.ones(3, np.float32)}
+    try:
+        list(strategy.configure_train(1, arrays_to_record(first, {}), ConfigRecord(), grid))
+        messages = list(strategy.configure_train(2, arrays_to_record(kept, {}), ConfigRecord(), grid))
+    finally:
+        grid.shutdown()
+    assert len(messages) == 2
+    # the base its next aggregate steps from (what it would send as compressed downloads, too)
+    assert np.array_equal(strategy._model["w"], kept["w"])
