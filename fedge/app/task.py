@@ -174,10 +174,16 @@ class Task(ABC):
         model.train()
         anchor = [p.detach().clone() for p in model.parameters()] if config.proximal_mu > 0 else []
         total, seen = 0.0, 0
+        # BatchNorm in training mode refuses a batch of one: a last batch of one row joins the one before
+        batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         for _ in range(config.epochs):
             order = torch.randperm(len(labels), generator=generator)
-            for start in range(0, len(order), config.batch_size):
-                batch = order[start : start + config.batch_size]
+            starts = list(range(0, len(order), config.batch_size))
+            if batch_norm and len(starts) > 1 and len(order) - starts[-1] == 1:
+                starts.pop()
+            for index, start in enumerate(starts):
+                stop = starts[index + 1] if index + 1 < len(starts) else len(order)
+                batch = order[start:stop]
                 optimizer.zero_grad()
                 loss = loss_fn(forward(model, rows(features, batch)), labels[batch])
                 total += loss.item() * len(batch)

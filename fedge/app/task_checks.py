@@ -49,6 +49,11 @@ def checked_evaluation(result: Any, task: str) -> dict[str, float]:
                 f"score such as R² as accuracy); it returned {found}"
             )
         values[key] = float(value)
+    if values["accuracy"] > 1.0 + 1e-9:  # NaN passes: a diverged model, reported as such
+        raise TaskContractError(
+            f"task {task}: evaluate() returned accuracy {values['accuracy']:g}: fedge reads it as a fraction "
+            "at most 1 (0.9 is 90 %; target_accuracy and the plots follow it), not a percentage"
+        )
     return values
 
 

@@ -282,3 +282,24 @@ def test_mistakes_in_a_tasks_server_side_code_end_in_one_line(tmp_path, name, me
         assert result.exit_code == 0, result.output
     else:
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+PERCENT_TASK = """
+from fedge.app.task import DigitsTask
+
+
+class Percent(DigitsTask):
+    def evaluate(self, model, data):
+        result = super().evaluate(model, data)
+        return {**result, "accuracy": 100 * result["accuracy"]}
+"""
+
+
+def test_a_task_whose_accuracy_is_a_percentage_stops_in_one_line(tmp_path):
+    # 6565.66 % on the summary table, and target_accuracy 0.9 counted as reached after round 1
+    (tmp_path / "percent.py").write_text(PERCENT_TASK)
+    task = f"{tmp_path / 'percent.py'}:Percent"
+    args = ["simulate", "--task", task, "--clients", "2", "--rounds", "1", "--out", str(tmp_path / "run")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "at most 1 (0.9 is 90 %" in result.output

@@ -204,3 +204,12 @@ def test_a_split_the_digits_cannot_hold_gives_advice_that_helps(
     with pytest.raises(ConfigError, match=f"among {clients} clients") as info:
         digits.dirichlet_partitions.__wrapped__(clients, alpha, 0)
     assert advice in str(info.value)
+
+
+def test_a_batchnorm_model_trains_on_a_partition_whose_last_batch_would_be_one_row():
+    # 17 rows in batches of 16: the last batch of one made BatchNorm1d raise, and every client fail
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    features, labels = torch.randn(17, 4), torch.randint(0, 3, (17,))
+    result = DigitsTask().train(model, (features, labels), TrainConfig(2, 0.05, 16, seed=0))
+    assert result["num-examples"] == 17 and np.isfinite(result["train_loss"])
+    assert model[1].num_batches_tracked.item() == 2  # one batch of 17 an epoch
