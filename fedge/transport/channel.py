@@ -31,6 +31,7 @@ from fedge.transport.frames import (
     decode_frame,
     encode_ack,
 )
+from fedge.transport.rate import RateBudget
 from fedge.transport.receiver import Completed, Reassembler, ReceiverStats
 from fedge.transport.sender import OutgoingTransfer, SenderStats, TransferError, TransferHandle
 from fedge.transport.topics import ack_topic
@@ -119,6 +120,8 @@ class ReliableChannel:
         self._on_complete = on_complete
         self._on_connected = on_connected
         self._limits = FrameLimits(max_chunk_size=self.settings.max_chunk_size)
+        rate = self.settings.max_frames_per_s_per_sender
+        self._rate = RateBudget(rate, burst=max(1.0, 2 * rate))  # paho thread only
         self._reassembler = Reassembler(self.settings)
         self.receiver_stats = self._reassembler.stats
         self._transfers: dict[bytes, OutgoingTransfer] = {}
@@ -324,6 +327,11 @@ class ReliableChannel:
 
     def _handle_ack(self, topic: str, payload: bytes) -> None:
         """paho thread: an ACK for one of our transfers."""
+        if not self._rate.allow(topic, time.monotonic()):  # a flood: counted, never decoded
+            with self._cond:
+                self.ack_drops["rate"] += 1
+                self.receiver_stats.note(topic, "ack-rate")
+            return
         try:
             ack = decode_frame(payload, self._limits)
         except FrameError as err:
@@ -354,6 +362,10 @@ class ReliableChannel:
     # ------------------------------------------------------------------------------------------- receiving
     def _handle_data(self, topic: str, payload: bytes) -> None:
         """paho thread: a DATA or PROBE frame for us."""
+        if not self._rate.allow(topic, time.monotonic()):  # one sender's flood (:mod:`.rate`)
+            with self._cond:
+                self.receiver_stats.drop(topic, "rate")
+            return
         try:
             frame = decode_frame(payload, self._limits)
         except FrameError as err:

@@ -76,6 +76,10 @@ class TransferSettings:
     drop_log_interval_s : float, default 60.0
         Dropped frames are logged at most once per topic (i.e. sender) and reason in this interval, each line
         with the count since the previous one; 0 logs at every check (about once a second).
+    max_frames_per_s_per_sender : float, default 2000.0
+        Frames (chunks, probes, acknowledgements) one sender may send a second on average, twice that at
+        once; beyond, they are dropped before decoding and counted as ``rate`` (:mod:`fedge.transport.rate`);
+        0: no budget.
     """
 
     chunk_size: int = 256 * KiB
@@ -94,6 +98,7 @@ class TransferSettings:
     resume_settle_s: float = 0.5
     clock_skew_s: float = 5.0
     drop_log_interval_s: float = 60.0
+    max_frames_per_s_per_sender: float = 2000.0
 
     def __post_init__(self) -> None:
         _positive(self, "chunk_size", "window", "ack_every", "ack_timeout_s", "message_expiry_s")
@@ -106,6 +111,8 @@ class TransferSettings:
             raise ConfigError(f"ack_every {self.ack_every} exceeds window {self.window}")
         if self.resume_settle_s < 0 or self.clock_skew_s < 0 or self.drop_log_interval_s < 0:
             raise ConfigError("resume_settle_s, clock_skew_s and drop_log_interval_s must be >= 0")
+        if not 0 <= self.max_frames_per_s_per_sender < float("inf"):
+            raise ConfigError("max_frames_per_s_per_sender must be >= 0 and finite (0: no budget)")
 
 
 @dataclass(frozen=True)

@@ -212,3 +212,32 @@ def test_drop_log_lines_are_rate_limited_and_carry_the_suppressed_count() -> Non
     assert log.due(9.9) == []
     assert log.due(10.0) == [("t/a", "checksum", 8, 9)]
     assert log.due(30.0) == []  # nothing new, nothing to say
+
+
+def test_a_node_flooding_frames_is_held_to_its_rate_and_the_others_get_through(
+    mosquitto: MosquittoBroker, make_config: Callable[..., MqttConfig], wait_for: Callable[..., None]
+) -> None:
+    """40,000 tiny frames a second from one node had filled the coordinator's network thread: the honest
+    nodes' rounds timed out. Beyond its budget a node's frames are dropped undecoded and counted."""
+    config = make_config(mosquitto.url, max_frames_per_s_per_sender=50.0)  # a burst of 100
+    outbox = Topics(config.fleet).outbox("evil")
+    flood = [encode_probe(uuid.uuid4().bytes, 1) for _ in range(3000)]
+    with CoordinatorEndpoint(config) as coordinator:
+        evil = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"evil-{config.fleet}")
+        evil.connect("127.0.0.1", mosquitto.port)
+        evil.loop_start()
+        try:
+            started = time.monotonic()
+            sent = [evil.publish(outbox, frame, qos=1) for frame in flood]
+            sent[-1].wait_for_publish(30)
+            # at most the burst and the rate's share of the time it took got through; the rest is counted
+            allowed = 100 + 50 * (time.monotonic() - started + 1)
+            wait_for(lambda: coordinator.drop_counts().get("evil", {}).get("rate", 0) >= len(flood) - allowed)
+            with NodeEndpoint(config, "h1") as h1:
+                payload = os.urandom(MB)
+                assert h1.send(payload, expiry_s=30).wait(10)
+            assert coordinator.receive(10).payload == payload
+        finally:
+            evil.loop_stop()
+            evil.disconnect()
+        assert "h1" not in coordinator.drop_counts()
