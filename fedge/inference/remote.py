@@ -1,13 +1,18 @@
 """Asking a device for predictions over MQTT: the requester's side of the inference agent's protocol.
 
 Each request is an ``.npy`` batch published to the device's request topic with an MQTT 5 response topic
-(this client's own) and a fresh correlation id; the answer comes back on the response topic with the same
-correlation data, and is matched to its waiting caller by it. Many requests may be in flight at once.
+(this client's own, ending with the device's id) and a fresh random correlation id; the answer comes back on
+the response topic with the same correlation data, and is matched to its waiting caller by it. Many requests
+may be in flight at once.
+
+An answer counts only on the topic of the device that was asked: under the fleet's ACL only that device may
+write there and only this client read it, and the correlation data (16 random bytes) cannot be guessed from
+answers seen before. (A counter had let a node that read one answer forge the next ones.)
 """
 
 from __future__ import annotations
 
-import itertools
+import os
 import threading
 import time
 import uuid
@@ -79,11 +84,10 @@ class InferenceClient:
         self._pending: dict[bytes, Future[Prediction]] = {}
         self._targets: dict[bytes, str] = {}  # correlation -> the device asked (its answers' budget)
         self._lock = threading.Lock()
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().bytes[:8]
         self.sent = 0  # requests sent so far
+        self.forged = 0  # answers on the wrong device's topic, dropped
         self.connection = MqttConnection(config, self.client_id)
-        self.connection.route_with_properties(self._reply_topic, self._on_answer)
+        self.connection.route_with_properties(f"{self._reply_topic}/+", self._on_answer)
 
     def start(self) -> None:
         """Connect; :class:`ConnectionError` if the broker is unreachable or speaks only MQTT 3.1.1."""
@@ -111,7 +115,7 @@ class InferenceClient:
 
     def submit(self, node_id: str, inputs: np.ndarray | dict[str, np.ndarray]) -> Future[Prediction]:
         """Send a batch (or named inputs) to ``node_id``; the future resolves to its :class:`Prediction`."""
-        correlation = self._prefix + next(self._ids).to_bytes(8, "big")
+        correlation = os.urandom(16)
         self.sent += 1
         future: Future[Prediction] = Future()
         with self._lock:
@@ -121,7 +125,7 @@ class InferenceClient:
         topic, chunks = self.topics.infer_request(node_id), split_message(payload, self.chunk_bytes)
         for index, chunk in enumerate(chunks):
             tag = ((CHUNK_PROPERTY, f"{index}/{len(chunks)}"),) if len(chunks) > 1 else ()
-            properties = MessageProperties(self._reply_topic, correlation, tag)
+            properties = MessageProperties(self.topics.infer_reply(self.client_id, node_id), correlation, tag)
             self.connection.publish(topic, chunk, qos=1 if tag else 0, message_properties=properties)
         return future
 
@@ -141,13 +145,16 @@ class InferenceClient:
                         del self._pending[key]
                         self._targets.pop(key, None)
 
-    def _on_answer(self, _topic: str, payload: bytes, props: MessageProperties) -> None:
+    def _on_answer(self, topic: str, payload: bytes, props: MessageProperties) -> None:
         correlation, fields = props.correlation_data or b"", dict(props.user_properties)
+        with self._lock:
+            device = self._targets.get(correlation)
+        if device is None:
+            return  # a late answer to a request that timed out, or not ours
+        if topic != self.topics.infer_reply(self.client_id, device):  # another device answering for it
+            self.forged += 1
+            return
         if CHUNK_PROPERTY in fields:  # one chunk of a large answer
-            with self._lock:
-                device = self._targets.get(correlation)
-            if device is None:
-                return
             try:
                 index, count = parse_chunk(fields[CHUNK_PROPERTY], max_chunks=1 << 16)
                 whole = self._answers.add(device, correlation, index, count, payload, time.monotonic())

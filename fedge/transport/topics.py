@@ -96,9 +96,15 @@ class Topics:
         """Subscription filter for every node's serving status."""
         return f"{self._root}/infer/+/status"
 
-    def infer_reply(self, client_id: str) -> str:
-        """Where answers to the inference requests of ``client_id`` go (its response topic)."""
-        return f"{self._root}/infer-reply/{validate_name(client_id, 'client id')}"
+    def infer_reply(self, client_id: str, node_id: str | None = None) -> str:
+        """Where ``node_id`` answers the inference requests of ``client_id`` (their response topic); without
+        ``node_id``, the level under which every device's answers to ``client_id`` go.
+
+        The device's id ends the topic so that the broker's ACL lets only that device write it, and only the
+        requester (by its client id) read it (:meth:`mosquitto_acl`).
+        """
+        base = f"{self._root}/infer-reply/{validate_name(client_id, 'client id')}"
+        return base if node_id is None else f"{base}/{validate_name(node_id, 'node id')}"
 
     def mosquitto_acl(self, coordinator_user: str = "coordinator") -> str:
         """A Mosquitto ACL file that confines each node (username == node id) to its own topics.
@@ -127,7 +133,9 @@ class Topics:
                 f"pattern read {root}/infer/%u/request",
                 f"pattern write {root}/infer/%u/status/#",
                 f"pattern read {root}/artifact/#",
-                f"pattern readwrite {root}/infer-reply/#",
+                # answers: a requester reads its own (by client id); a device writes only as itself
+                f"pattern read {root}/infer-reply/%c/#",
+                f"pattern write {root}/infer-reply/+/%u",
                 "",
             ]
         )
