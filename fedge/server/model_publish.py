@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 # What status.json keeps of an inference device's retained status: known fields of the expected shape only,
 # for a bounded number of devices (anyone who can publish on the fleet's topics can claim to be one).
-_MAX_STATUS_BYTES = 16 * 1024
+# An agent's status holds its last 64 swaps (about 21 kB): 16 KiB had frozen a device in status.json at its
+# 48th swap, silently.
+_MAX_STATUS_BYTES = 64 * 1024
 _MAX_DEVICES = 1024
 
 
@@ -92,6 +94,7 @@ class ModelDistributor:
         self.deltas = deltas
         self.published: list[str] = []
         self._devices: dict[str, dict[str, Any]] = {}
+        self._oversized: set[str] = set()  # devices warned about for a status above _MAX_STATUS_BYTES
         self._lock = threading.Lock()
 
     def follow_devices(self) -> None:
@@ -106,7 +109,13 @@ class ModelDistributor:
 
     def _on_device_status(self, topic: str, payload: bytes) -> None:
         name = topic.split("/")[-2]
-        if len(payload) > _MAX_STATUS_BYTES or not is_valid_name(name):
+        if not is_valid_name(name):
+            return
+        if len(payload) > _MAX_STATUS_BYTES:
+            if name not in self._oversized:  # once a device: it would say so every status_every_s
+                self._oversized.add(name)
+                size, limit = len(payload), _MAX_STATUS_BYTES
+                log.warning("device %s: its status of %d bytes is above %d: ignored", name, size, limit)
             return
         try:
             status = json.loads(payload) if payload else None
