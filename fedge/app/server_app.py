@@ -109,7 +109,10 @@ def build_strategy(config: AppConfig) -> Strategy:
     sampling = {
         "fraction_train": config.fraction_train,
         "fraction_evaluate": 0.0,
-        "min_train_nodes": 1,
+        # Flower sizes the sample from the nodes connected before it waits for min_available_nodes: a
+        # fleet short for a moment (a broker restart) trained one node of three. Never fewer than the
+        # fraction of min_nodes (floored as Flower floors it, so a full fleet samples as before).
+        "min_train_nodes": max(1, int(config.min_nodes * config.fraction_train)),
         "min_available_nodes": config.min_nodes,
     }
     robust_rules = {

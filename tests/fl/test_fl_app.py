@@ -303,3 +303,30 @@ def test_a_task_whose_accuracy_is_a_percentage_stops_in_one_line(tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert "at most 1 (0.9 is 90 %" in result.output
+
+
+class _DippingGrid:
+    """Three nodes, of which one alone is connected when a round first counts them (a broker restart)."""
+
+    run = None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def get_node_ids(self) -> list[int]:
+        self.calls += 1
+        return [11] if self.calls == 1 else [11, 22, 33]
+
+
+@pytest.mark.parametrize(("fraction", "sampled"), [(1.0, 3), (0.5, 1)])
+def test_a_fleet_short_for_a_moment_still_samples_its_fraction_of_min_nodes(fraction, sampled):
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from fedge.app.server_app import build_strategy
+    from fedge.flower.compat import set_task_identity
+
+    set_task_identity(run_id=1)
+    strategy = build_strategy(AppConfig(min_nodes=3, fraction_train=fraction))
+    arrays = ArrayRecord([np.zeros(3, dtype=np.float32)])
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord({}), _DippingGrid()))
+    assert len(messages) == sampled
