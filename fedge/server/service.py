@@ -9,6 +9,9 @@ one from its config in :mod:`fedge.app.coordinator`). Files in ``state_dir``:
 ``audit.jsonl``
     One line per reply: which node's update was accepted (or rejected, and why) for which round, and a
     commit line per round written after its checkpoint (:mod:`fedge.server.audit`).
+``artifacts.json``
+    The model versions this fleet's broker holds retained (:class:`fedge.transport.ArtifactPublisher`'s
+    ledger), kept across runs: a restarted coordinator clears the ones its predecessors left.
 ``status.json``
     Round, online nodes, their device profiles, dropped replies, last accuracy and the model export's state
     (latest version, failures, last error), refreshed every few seconds (what ``fedge status`` shows), and
@@ -179,7 +182,10 @@ def _model_distributor(config: ServiceConfig) -> Iterator[ModelDistributor]:
     signer = InstructionSigner.from_file(config.instruction_key_file) if config.instruction_key_file else None
     connection = MqttConnection(config.mqtt, f"fedge-models-{config.mqtt.fleet}")
     deltas = DeltaPlanner(config.model_delta_codec) if config.model_delta_codec else None
-    publisher = ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer)
+    make_state_dir(Path(config.state_dir))
+    # the versions in the broker's store, across restarts: a new process clears what earlier ones left
+    ledger = Path(config.state_dir) / "artifacts.json"
+    publisher = ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer, ledger=ledger)
     distributor = ModelDistributor(publisher, deltas=deltas)
     distributor.follow_devices()
     connection.start()

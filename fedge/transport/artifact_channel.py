@@ -9,12 +9,16 @@ consumer on a worker thread (so building an ONNX Runtime session never blocks pa
 Why retained messages: a device that is offline when a model is published gets it when it comes back,
 and a device whose link drops mid-transfer re-subscribes on reconnect, is handed the chunks again and keeps
 those it has (duplicates are counted and dropped). The broker's store holds the last ``keep`` versions;
-older chunks are cleared with empty retained messages.
+older chunks are cleared with empty retained messages. Which versions the store holds is kept in a ledger
+file, when the publisher is given one (the coordinator service's ``state_dir/artifacts.json``), written
+before a version's first chunk: a coordinator restarted (after a crash, or for a new run on the fleet) clears
+the versions its predecessors left, where each restart had left two versions in the broker for good.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import threading
@@ -23,7 +27,9 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from fedge.atomic import write_json_atomic
 from fedge.transport.artifacts import (
     ArtifactAssembler,
     ArtifactError,
@@ -38,6 +44,8 @@ from fedge.transport.topics import Topics
 __all__ = ["HEADER_MESSAGE_ID", "ArtifactPublisher", "ArtifactStats", "ArtifactSubscriber"]
 
 log = logging.getLogger(__name__)
+
+_MAX_LEDGER_CHUNKS = 1 << 24  # a chunk count above this is no ledger fedge wrote
 
 HEADER_MESSAGE_ID = "artifact-header"
 """The message id a header is signed under (its version is inside the signed body)."""
@@ -58,6 +66,9 @@ class ArtifactPublisher:
         Bytes per retained chunk message (must fit the broker's and the devices' packet limits).
     keep : int, default 2
         Versions of each artifact kept in the broker's retained store.
+    ledger : path, optional
+        A JSON file of the versions in the retained store, kept across restarts (see the module docstring);
+        an unreadable one is set aside with a warning (its versions then stay in the broker).
     """
 
     def __init__(
@@ -68,6 +79,7 @@ class ArtifactPublisher:
         *,
         chunk_size: int = 64 * 1024,
         keep: int = 2,
+        ledger: str | Path | None = None,
     ) -> None:
         if chunk_size <= 0 or keep < 1:
             raise ValueError("chunk_size must be positive and keep at least 1")
@@ -76,33 +88,47 @@ class ArtifactPublisher:
         self.signer = signer
         self.chunk_size = chunk_size
         self.keep = keep
-        self._published: dict[str, deque[ArtifactHeader]] = {}
+        self.ledger = Path(ledger) if ledger is not None else None
+        # artifact -> (version, chunks) in the retained store, oldest first
+        self._published: dict[str, deque[tuple[str, int]]] = _read_ledger(self.ledger)
 
     def publish(self, name: str, version: str, data: bytes, meta: dict | None = None) -> ArtifactHeader:
         """Publish ``data`` as version ``version`` of artifact ``name``; returns the header sent."""
         header = ArtifactHeader.for_data(name, version, data, self.chunk_size, meta)
+        history = self._published.setdefault(name, deque())
+        # A version published again (a pipeline back at a placement it had: same content, same version) is
+        # this publication, not the oldest one to clear: clearing it had emptied the chunks just sent.
+        earlier = [h for h in history if h[0] == version]
+        for entry in earlier:
+            history.remove(entry)
+        # its chunks beyond this publication's (an earlier one was longer) are cleared with it in time
+        history.append((version, max([header.chunks, *(chunks for _, chunks in earlier)])))
+        self._write_ledger()  # before the first chunk: a crash mid-publish leaves no chunk unrecorded
         for index, chunk in enumerate(split_chunks(data, self.chunk_size)):
             self.connection.publish(self.topics.artifact_chunk(name, version, index), chunk, retain=True)
         body = header.encode()
         payload = self.signer.sign(artifact_recipient(name), HEADER_MESSAGE_ID, body) if self.signer else body
         self.connection.publish(self.topics.artifact(name), payload, retain=True)
-        history = self._published.setdefault(name, deque())
-        # A version published again (a pipeline back at a placement it had: same content, same version) is
-        # this publication, not the oldest one to clear: clearing it had emptied the chunks just sent.
-        for earlier in [h for h in history if h.version == version]:
-            history.remove(earlier)
-        history.append(header)
-        while len(history) > self.keep:
-            self._clear(history.popleft())
+        if len(history) > self.keep:
+            while len(history) > self.keep:
+                self._clear(name, *history.popleft())
+            self._write_ledger()
         log.info("published %s %s (%d bytes, %d chunks)", name, version, header.size, header.chunks)
         return header
 
-    def _clear(self, header: ArtifactHeader) -> None:
+    def _clear(self, name: str, version: str, chunks: int) -> None:
         """Remove an old version's chunks from the broker's retained store."""
-        for index in range(header.chunks):
-            self.connection.publish(
-                self.topics.artifact_chunk(header.name, header.version, index), b"", retain=True
-            )
+        for index in range(chunks):
+            self.connection.publish(self.topics.artifact_chunk(name, version, index), b"", retain=True)
+
+    def _write_ledger(self) -> None:
+        if self.ledger is None:
+            return
+        table = {name: [list(entry) for entry in history] for name, history in self._published.items()}
+        try:
+            write_json_atomic(self.ledger, table)
+        except OSError as err:  # the store then keeps what this process cannot record: said, not fatal
+            log.warning("cannot write the artifact ledger %s: %s", self.ledger, err)
 
 
 @dataclass
@@ -396,3 +422,21 @@ class ArtifactSubscriber:
             log.exception("consumer of %s %s failed", self.name, header.version)
             return
         self.stats.delivered += 1
+
+
+def _read_ledger(path: Path | None) -> dict[str, deque[tuple[str, int]]]:
+    """The versions a ledger file says the retained store holds (empty without one, or if unreadable)."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        table = json.loads(path.read_bytes())
+        ledger = {
+            str(name): deque((str(version), int(chunks)) for version, chunks in history)
+            for name, history in table.items()
+        }
+        if any(chunks < 0 or chunks > _MAX_LEDGER_CHUNKS for h in ledger.values() for _, chunks in h):
+            raise ValueError("a chunk count out of range")
+        return ledger
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError) as err:
+        log.warning("the artifact ledger %s is unreadable (%s): its versions stay in the broker", path, err)
+        return {}
