@@ -153,7 +153,10 @@ def select_variant(
         if fp32.accuracy is None or m.accuracy is None:  # nothing says it is within the bound
             notes.append(f"{m.variant}: no accuracy measured for it and fp32, so none to bound")
         elif 100 * (fp32.accuracy - m.accuracy) > max_drop_pp:
-            notes.append(f"{m.variant} outside the {max_drop_pp:g} pp accuracy bound")
+            notes.append(
+                f"{m.variant} outside the {max_drop_pp:g} pp accuracy bound "
+                f"({m.accuracy:.4f} vs fp32's {fp32.accuracy:.4f})"
+            )
         elif p50 > fp32.latency_ms[batch][0] * (1 - min_gain):
             notes.append(
                 f"{m.variant} not faster than fp32 ({p50:.3g} vs {fp32.latency_ms[batch][0]:.3g} ms)"

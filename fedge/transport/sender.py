@@ -20,7 +20,12 @@ from fedge.transport.frames import (
     encode_probe,
 )
 
-__all__ = ["OutgoingTransfer", "SenderStats", "TransferError", "TransferHandle"]
+__all__ = ["RESENDS_PER_CHUNK", "OutgoingTransfer", "SenderStats", "TransferError", "TransferHandle"]
+
+RESENDS_PER_CHUNK = 8
+"""A transfer is given up once it has re-sent this many times its chunks (plus a window): a lossy link
+re-sends a fraction of them (a 50 % loss, about one each), a receiver that keeps reporting chunks lost is
+lying or broken."""
 
 
 class TransferError(RuntimeError):
@@ -128,6 +133,7 @@ class OutgoingTransfer:
         self._acked: set[int] = set()
         self._unacked: dict[int, float] = {}  # chunk -> time last sent
         self._resend: list[int] = []  # chunks to send again, lowest first
+        self._resent = 0  # chunks re-sent so far (bounded: RESENDS_PER_CHUNK)
         self._probe_interval_s = ack_timeout_s
         self._next_probe_s = float("inf")
 
@@ -202,6 +208,16 @@ class OutgoingTransfer:
             self._next_probe_s = now_s + self._probe_interval_s
         if ack.status is not AckStatus.STATE:
             return []
+        if self._resent > RESENDS_PER_CHUNK * self.total + self.window:
+            # A receiver that reports losing what it acknowledged, again and again (a forged STATE after
+            # each PROGRESS), made this side send the message over and over until it expired.
+            self._finish(
+                TransferError(
+                    f"message {self.handle.message_id!r}: {self._resent} chunks re-sent, "
+                    f"{RESENDS_PER_CHUNK} times the message's {self.total}: given up"
+                )
+            )
+            return []
         # The receiver's whole state: chunks it lost (e.g. it restarted) go back in the queue, and in-flight
         # chunks old enough to have arrived are re-sent now. Younger ones are probably still on their way.
         lost = [i for i in self._acked if not bitmap_get(ack.bitmap, i)]
@@ -240,6 +256,7 @@ class OutgoingTransfer:
             self._finish(TransferError(reason))
 
     def _count_resend(self, index: int) -> None:
+        self._resent += 1
         self._stats.chunks_resent += 1
         self._stats.bytes_resent += self.chunk_bytes(index)
 

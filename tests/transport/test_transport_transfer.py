@@ -17,7 +17,7 @@ from fedge.transport.frames import (
     decode_frame,
 )
 from fedge.transport.receiver import Reassembler, reserved_size
-from fedge.transport.sender import OutgoingTransfer, SenderStats, TransferError
+from fedge.transport.sender import RESENDS_PER_CHUNK, OutgoingTransfer, SenderStats, TransferError
 
 STREAM = "fedge/t/node/n1/in"
 FAR = 10**10  # a deadline far in the future, in seconds
@@ -151,6 +151,24 @@ def test_chunks_a_receiver_lost_are_queued_again() -> None:
     # The receiver restarted and knows nothing: everything goes back through the window.
     assert transfer.on_ack(AckFrame(transfer.transfer_id, AckStatus.STATE, 4, bytes(1)), 0.2) == []
     assert transfer.due(0.2) == [0, 1, 2, 3]
+
+
+def test_a_receiver_that_keeps_losing_what_it_acknowledged_is_given_up_on() -> None:
+    # a forged PROGRESS of everything, then a STATE of nothing, over and over: each pair re-sent the message
+    transfer = _transfer(bytes(40), window=4)
+    transfer.due(0.0)
+    everything, nothing = _bitmap(4, [0, 1, 2, 3]), bytes(1)
+    rounds = 0
+    while not transfer.finished:
+        transfer.on_ack(AckFrame(transfer.transfer_id, AckStatus.PROGRESS, 4, everything), rounds + 0.1)
+        transfer.on_ack(AckFrame(transfer.transfer_id, AckStatus.STATE, 4, nothing), rounds + 0.2)
+        transfer.due(rounds + 0.2)
+        rounds += 1
+        assert rounds < 100, "never given up"
+    # the message re-sent RESENDS_PER_CHUNK times and a window more, then no more
+    assert RESENDS_PER_CHUNK + 1 <= rounds <= RESENDS_PER_CHUNK + 3
+    with pytest.raises(TransferError, match="re-sent"):
+        transfer.handle.wait(0)
 
 
 def test_done_rejected_and_expired_finish_the_handle() -> None:
