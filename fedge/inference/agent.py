@@ -255,7 +255,8 @@ class InferenceAgent:
         except Exception as err:  # ORT's shape/type errors, no model loaded yet
             message = f"{type(err).__name__}: {err}"[:500]
             answer, extra = b"", (("status", "error"), ("error", message), ("version", ""))
-            self._count_failure("inference")
+            # ORT's InvalidArgument: the request's rank, dimensions or type do not fit the model
+            self._count_failure("bad-request" if type(err).__name__ == "InvalidArgument" else "inference")
         self._answer(props, answer, extra)
 
     def _answer(self, props: MessageProperties, answer: bytes, extra: tuple[tuple[str, str], ...]) -> None:

@@ -187,9 +187,10 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
         wildcard = MessageProperties(response_topic=client.topics.infer_reply("x") + "/#")
         client.connection.publish(request_topic, b"", message_properties=wildcard)  # cannot be answered
         wait_until(lambda: agent.failed_requests.get("bad-response-topic", 0) == 1)
+        with pytest.raises(InferenceError, match="Invalid rank"):  # the request's fault: a bad request
+            client.predict("dev-1", np.zeros((2, 1, 64), np.float32), timeout=10)
         assert agent.failed_requests == {
-            "bad-request": 2,
-            "inference": 1,
+            "bad-request": 4,
             "no-response-topic": 1,
             "bad-response-topic": 1,
         }
