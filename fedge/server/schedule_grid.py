@@ -109,6 +109,7 @@ class ScheduledGrid(RunGrid):
         self._clock, self._poll_s = clock, poll_s
         self._pause = pause or threading.Event().wait  # never set: a plain wait
         self._delays: list[float] = []  # recent reply delays, most recent first: Schedule.next_deadline's
+        self._rounds_done = 0  # training rounds so far (the deadline quantile's ramp)
         self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._account = _Account()
         self._unfit = 0
@@ -181,10 +182,11 @@ class ScheduledGrid(RunGrid):
 
     def current_deadline(self) -> float | None:
         """The deadline the next training round gets, seconds (None: none)."""
-        return self.schedule.next_deadline(self._delays)
+        return self.schedule.next_deadline(self._delays, rounds_done=self._rounds_done)
 
     def _train_round(self, messages: list[Message], timeout: float | None) -> list[Message]:
         deadline = self.current_deadline()
+        self._rounds_done += 1
         waits = [w for w in (deadline, timeout) if w is not None]
         wait = min(waits) if waits else None
         keep = None

@@ -336,7 +336,7 @@ class ClockGrid(RunGrid):
         self._queued[instruction.metadata.message_id] = (arrival_s, self._pushed, reply, row)
 
     def _deadline(self) -> float | None:
-        return self.schedule.next_deadline(self._delays)
+        return self.schedule.next_deadline(self._delays, rounds_done=self._round - 1)
 
     def _fits(self, node: int) -> bool:
         if not self.schedule.memory_aware:

@@ -180,6 +180,29 @@ def test_adaptive_deadline_grows_until_it_takes_in_the_slow_nodes():
     assert deadlines[5] == pytest.approx(1.5 * 4.0, abs=0.1)  # and the deadline follows its delay
 
 
+def test_the_deadline_quantile_ramps_to_its_final_value_over_the_rounds():
+    """Fast rounds on the fast nodes first, then everyone (the quantile from 0.5 to 1.0 over 2 rounds)."""
+    schedule = Schedule(
+        deadline_s=100.0,
+        adaptive_deadline=True,
+        deadline_quantile=0.5,
+        deadline_quantile_final=1.0,
+        deadline_ramp_rounds=2,
+        deadline_slack=1.0,
+    )
+    assert [schedule.quantile_at(n) for n in (0, 1, 2, 50)] == [0.5, 0.75, 1.0, 1.0]
+    grid, _ = _grid({1: 1.0, 2: 2.0, 3: 3.0}, schedule)
+    deadlines = []
+    for _ in range(3):
+        _train(grid)
+        grid.take_round()
+        deadlines.append(grid.current_deadline())
+    # delays 1, 2, 3 s every round: their 0.75, then 1.0 quantile (1 round done, then 2)
+    assert deadlines == pytest.approx([2.5, 3.0, 3.0], abs=0.05)
+    with pytest.raises(ConfigError, match="deadline_quantile_final"):
+        Schedule(deadline_quantile_final=1.5)
+
+
 def test_a_late_reply_never_reaches_a_later_round():
     # Node 2 answers 5 s after its instruction: after round 1's deadline, during round 2.
     grid, inner = _grid({1: 0.5, 2: 5.0}, Schedule(deadline_s=3.0))
