@@ -68,7 +68,7 @@ class ArtifactPublisher:
         Versions of each artifact kept in the broker's retained store.
     ledger : path, optional
         A JSON file of the versions in the retained store, kept across restarts (see the module docstring);
-        an unreadable one is set aside with a warning (its versions then stay in the broker).
+        an unreadable one is ignored with a warning (its versions then stay in the broker) and rewritten.
     """
 
     def __init__(
@@ -109,9 +109,10 @@ class ArtifactPublisher:
         body = header.encode()
         payload = self.signer.sign(artifact_recipient(name), HEADER_MESSAGE_ID, body) if self.signer else body
         self.connection.publish(self.topics.artifact(name), payload, retain=True)
-        if len(history) > self.keep:
-            while len(history) > self.keep:
-                self._clear(name, *history.popleft())
+        old = [history.popleft() for _ in range(len(history) - self.keep)]
+        for entry in old:
+            self._clear(name, *entry)
+        if old:
             self._write_ledger()
         log.info("published %s %s (%d bytes, %d chunks)", name, version, header.size, header.chunks)
         return header
