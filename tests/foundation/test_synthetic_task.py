@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import torch
+from recurrent_model import Recurrent
 from torch import nn
 from typer.testing import CliRunner
 
@@ -109,21 +110,12 @@ def test_flops_of_a_model_with_batchnorm1d_are_counted_not_refused():
     assert flops.forward == 2 * (8 * 16 + 16 * 3)
 
 
-class _Recurrent(nn.Module):
-    def __init__(self, kind: type[nn.Module]) -> None:
-        super().__init__()
-        self.rnn, self.head = kind(16, 128, batch_first=True), nn.Linear(128, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(x)[0][:, -1])
-
-
 def test_recurrent_layers_are_counted_as_their_products():
     # a step's products: 2 FLOPs per weight of the input and hidden matrices; backward twice the forward
     example = torch.randn(64, 16)
     for kind, gates in ((nn.LSTM, 4), (nn.GRU, 3)):
         products = 2 * 64 * gates * 128 * (16 + 128)
-        flops = training_flops_per_example(_Recurrent(kind), example)
+        flops = training_flops_per_example(Recurrent(kind), example)
         assert 2.5 * products <= flops <= 3.5 * products, (kind.__name__, flops, products)
 
 

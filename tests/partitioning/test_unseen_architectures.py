@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from recurrent_model import Recurrent
 from torch import nn
 
 from fedge.partitioning import CostModel, Device, Fleet
@@ -184,20 +185,11 @@ def test_a_forward_that_ignores_an_input_is_refused_with_the_reason():
         capture(IgnoresAnInput(), (torch.randn(2, 4), torch.randn(2, 3)))
 
 
-class _Recurrent(nn.Module):
-    def __init__(self, kind: type[nn.Module]) -> None:
-        super().__init__()
-        self.rnn, self.head = kind(16, 128, batch_first=True), nn.Linear(128, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(x)[0][:, -1])
-
-
 @pytest.mark.parametrize(("kind", "gates"), [(nn.LSTM, 4), (nn.GRU, 3), (nn.RNN, 1)])
 def test_a_recurrent_layer_costs_its_products_at_every_step(kind, gates):
     # not free data movement: 64 steps of the input and hidden weights times their vectors
     from fedge.partitioning.onnx_graph import graph_from_onnx
 
-    graph = graph_from_onnx(export_onnx(_Recurrent(kind).eval(), torch.randn(2, 64, 16)))
+    graph = graph_from_onnx(export_onnx(Recurrent(kind).eval(), torch.randn(2, 64, 16)))
     recurrent = [node.flops for node in graph.nodes if node.op_type == kind.__name__.upper()]
     assert recurrent == [2.0 * 64 * gates * 128 * (16 + 128)]
