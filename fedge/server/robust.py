@@ -25,7 +25,6 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from fedge.compression import CodecError, decode
-from fedge.protocol.records import arrays_to_record
 from fedge.server.channel import CompressionConfig
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.robust_rules import (
@@ -272,7 +271,7 @@ class RobustStreamingFedAvg(StreamingFedAvg):
             "senders_per_coordinate": senders / sent if sent else 0.0,
         }
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
-        return arrays_to_record(self._model, self._dtypes), metrics
+        return self._global_record(), metrics
 
     def _keep(self, updates: list[SparseUpdate], nodes: list[int], size: int) -> list[bool]:
         """Update the nodes' reputations with this round's agreement; which updates to aggregate."""

@@ -182,8 +182,8 @@ def _model_distributor(config: ServiceConfig) -> Iterator[ModelDistributor]:
     signer = InstructionSigner.from_file(config.instruction_key_file) if config.instruction_key_file else None
     connection = MqttConnection(config.mqtt, f"fedge-models-{config.mqtt.fleet}")
     deltas = DeltaPlanner(config.model_delta_codec) if config.model_delta_codec else None
-    make_state_dir(Path(config.state_dir))
     # the versions in the broker's store, across restarts: a new process clears what earlier ones left
+    # (written only at a publication, after _run_service has made state_dir)
     ledger = Path(config.state_dir) / "artifacts.json"
     publisher = ArtifactPublisher(connection, Topics(config.mqtt.fleet), signer, ledger=ledger)
     distributor = ModelDistributor(publisher, deltas=deltas)

@@ -165,8 +165,13 @@ class StreamingFedAvg(FedAvg):
         del running
         self.channel.count(server_round, [reply.node_id for reply in aggregated])
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
+        return self._global_record(), metrics
+
+    def _global_record(self) -> ArrayRecord:
+        """The global model as an aggregate handed to Flower's loop; the next ``configure_train`` that gets
+        this record back trains from ``self._model`` without decoding it again."""
         self._returned = arrays_to_record(self._model, self._dtypes)
-        return self._returned, metrics
+        return self._returned
 
     def _screen(self, server_round: int, replies: Iterable[Message]) -> list[ScreenedReply]:
         """The round's replies that passed screening (logged when there is none)."""
