@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -66,3 +66,17 @@ class WrappingGrid(RunGrid):
     @property
     def run(self) -> Run:
         return self._inner.run
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._inner.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._inner.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self._inner.send_and_receive(messages, timeout=timeout)

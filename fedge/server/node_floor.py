@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flwr.app import Message
-
 from fedge.flower.grid import RunGrid, WrappingGrid
 from fedge.server.runner import RunFailed
 
@@ -100,14 +98,3 @@ class NodeFloorGrid(WrappingGrid):
                 "here and '--resume' continues it"
             )
         return ids
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._inner.pull_messages(message_ids)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return self._inner.send_and_receive(messages, timeout=timeout)
