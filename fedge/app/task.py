@@ -15,6 +15,7 @@ what :meth:`Task.prepare` caches on ``self`` is there for :meth:`Task.load_parti
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -178,11 +179,10 @@ class Task(ABC):
         batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         for _ in range(config.epochs):
             order = torch.randperm(len(labels), generator=generator)
-            starts = list(range(0, len(order), config.batch_size))
-            if batch_norm and len(starts) > 1 and len(order) - starts[-1] == 1:
-                starts.pop()
-            for index, start in enumerate(starts):
-                stop = starts[index + 1] if index + 1 < len(starts) else len(order)
+            bounds = [*range(0, len(order), config.batch_size), len(order)]
+            if batch_norm and len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+                del bounds[-2]
+            for start, stop in itertools.pairwise(bounds):
                 batch = order[start:stop]
                 optimizer.zero_grad()
                 loss = loss_fn(forward(model, rows(features, batch)), labels[batch])
