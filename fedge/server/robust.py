@@ -34,6 +34,7 @@ from fedge.server.robust_rules import (
     aggregate_sparse,
     agreeing,
     agreement,
+    dense_order_statistic,
 )
 from fedge.server.screening import Rejected, ScreenedReply
 from fedge.server.similarity import duplicate_groups
@@ -256,7 +257,8 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         for name, array in self._model.items():
             running[name] = delta[offset : offset + array.size].reshape(array.shape)
             if name in stats:  # what the clients' data says: no clipping, but no single client decides it
-                combined = _robust_statistic([m[name] for m in measured], self.robust.rule, self.robust.trim)
+                changes = [m[name] for m in measured]
+                combined = dense_order_statistic(changes, self.robust.rule, self.robust.trim)
                 running[name] = combined.astype(array.dtype)
             offset += array.size
         self.optimizer.step(self._model, running, averaged=stats)
@@ -338,13 +340,3 @@ class RobustStreamingFedAvg(StreamingFedAvg):
         """StreamingFedAvg's figures, plus ``clipped`` (updates scaled down) and ``senders_per_coordinate``
         (mean number of clients that sent each coordinate some client sent)."""
         return super().round_metrics(server_round) | self._extras.get(server_round, {})
-
-
-def _robust_statistic(deltas: list[np.ndarray], rule: str, trim: float) -> np.ndarray:
-    """The updates' changes of one statistic, combined coordinate by coordinate: the median under
-    ``median``, else the mean once the ``⌊trim · n⌋`` smallest and as many largest are dropped."""
-    stacked = np.stack(deltas).astype(np.float64)
-    if rule == "median":
-        return np.median(stacked, axis=0)
-    cut = int(trim * len(deltas))
-    return np.sort(stacked, axis=0)[cut : len(deltas) - cut].mean(axis=0)

@@ -15,7 +15,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["ROBUST_RULES", "SparseUpdate", "aggregate_counted", "aggregate_sparse", "agreeing", "agreement"]
+__all__ = [
+    "ROBUST_RULES",
+    "SparseUpdate",
+    "aggregate_counted",
+    "aggregate_sparse",
+    "agreeing",
+    "agreement",
+    "dense_order_statistic",
+]
 
 ROBUST_RULES = ("median", "trimmed-mean", "mean")
 
@@ -114,6 +122,17 @@ def agreeing(cosines: np.ndarray, reputation: np.ndarray, threshold: float) -> n
         keep = np.ones(len(cosines), dtype=bool)
         keep[np.argsort(reputation, kind="stable")[:most]] = False
     return keep
+
+
+def dense_order_statistic(deltas: list[np.ndarray], rule: str, trim: float) -> np.ndarray:
+    """Dense updates of one tensor (BatchNorm's statistics, say) combined coordinate by coordinate: the
+    median under ``median``, else the mean once the ``⌊trim · n⌋`` smallest and as many largest are
+    dropped."""
+    stacked = np.stack(deltas).astype(np.float64)
+    if rule == "median":
+        return np.median(stacked, axis=0)
+    cut = int(trim * len(deltas))
+    return np.sort(stacked, axis=0)[cut : len(deltas) - cut].mean(axis=0)
 
 
 def _sorted(indices: np.ndarray, values: np.ndarray) -> SparseUpdate:
