@@ -67,7 +67,8 @@ class TransferSettings:
     max_partial_age_s : float, default 3600.0
         A partial transfer is dropped this long after its first chunk even if its deadline is later.
     dedup_size : int, default 8192
-        Message ids remembered per receiver to deliver each at most once (oldest forgotten first).
+        Message ids remembered per receiver to deliver each at most once (when full, the sender remembering
+        the most forgets its oldest: a flood of tiny messages from one node does not push out the others').
     resume_settle_s : float, default 0.5
         After reconnecting with its session kept, the receiver waits this long for queued chunks before
         reporting the chunks it still lacks.

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from fedge.transport.remembered import Remembered
+
 __all__ = ["CHUNK_PROPERTY", "ChunkError", "MessageAssembler", "parse_chunk", "split_message"]
 
 _REMEMBER_DONE = 4096
@@ -92,13 +94,14 @@ class MessageAssembler:
         self.held_bytes = 0  # charged bytes of every sender's partial messages
         self._open: dict[str, OrderedDict[bytes, _Partial]] = {}
         # Recently completed messages: a duplicate chunk arriving late must not open a new partial message.
-        self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        # (A fair share each: a requester completing a flood of messages forgets only its own.)
+        self._done = Remembered(_REMEMBER_DONE)
         self.expired = 0
 
     def add(self, sender: str, key: bytes, index: int, count: int, chunk: bytes, now: float) -> bytes | None:
         """Store one chunk; the whole message once its last chunk is in, else None (a duplicate: None)."""
         self._expire(now)
-        if (sender, key) in self._done:
+        if self._done.holds(sender, key):
             return None
         messages = self._open.setdefault(sender, OrderedDict())
         partial = messages.get(key)
@@ -128,9 +131,7 @@ class MessageAssembler:
         if len(partial.parts) < count:
             return None
         self._drop(messages, key)
-        self._done[(sender, key)] = None
-        while len(self._done) > _REMEMBER_DONE:
-            self._done.popitem(last=False)
+        self._done.add(sender, key)
         return b"".join(partial.parts[i] for i in range(count))
 
     def open_messages(self, sender: str) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +38,7 @@ from fedge.transport.frames import (
     bitmap_get,
     bitmap_set,
 )
+from fedge.transport.remembered import Remembered
 
 __all__ = ["UNATTRIBUTED", "Completed", "Reassembler", "ReceiverStats", "reserved_size"]
 
@@ -179,8 +180,9 @@ class Reassembler:
         self.stats = ReceiverStats()
         self._partials: dict[tuple[str, bytes], _Partial] = {}
         self._senders: dict[str, _Sender] = {}
-        # Keys ("m", stream, message id) and ("t", stream, transfer id) of delivered messages, oldest first.
-        self._done: OrderedDict[tuple[str, str, str | bytes], None] = OrderedDict()
+        # Keys ("m", message id) and ("t", transfer id) of each stream's delivered messages (a fair share of
+        # the memory each: a sender completing a flood of tiny messages forgets only its own)
+        self._done = Remembered(2 * settings.dedup_size)
         self._reserved = 0
         self._held = 0
 
@@ -246,7 +248,7 @@ class Reassembler:
 
     def on_probe(self, stream: str, frame: ProbeFrame) -> AckFrame:
         """Answer a sender's probe with DONE, or the chunks held (none if the transfer is unknown here)."""
-        if ("t", stream, frame.transfer_id) in self._done:
+        if self._done.holds(stream, ("t", frame.transfer_id)):
             return AckFrame(frame.transfer_id, AckStatus.DONE, frame.total)
         partial = self._partials.get((stream, frame.transfer_id))
         if partial is None or partial.total != frame.total:
@@ -397,8 +399,8 @@ class Reassembler:
     ) -> tuple[AckFrame, Completed]:
         self._drop(key)
         stream = key[0]
-        self._remember(("m", stream, partial.message_id))
-        self._remember(("t", stream, transfer_id))
+        self._done.add(stream, ("m", partial.message_id))
+        self._done.add(stream, ("t", transfer_id))
         self.stats.delivered += 1
         return AckFrame(transfer_id, AckStatus.DONE, partial.total), Completed(
             stream, partial.message_id, partial.assemble()
@@ -409,20 +411,14 @@ class Reassembler:
         self.stats.note(stream, "duplicate")
 
     def _is_done(self, stream: str, frame: DataFrame) -> bool:
-        if ("t", stream, frame.transfer_id) in self._done:
+        if self._done.holds(stream, ("t", frame.transfer_id)):
             return True
-        if ("m", stream, frame.message_id) in self._done:
+        if self._done.holds(stream, ("m", frame.message_id)):
             # Same message id in a new transfer (the sender restarted it): never deliver twice.
             self.stats.duplicate_messages += frame.index == 0
-            self._remember(("t", stream, frame.transfer_id))
+            self._done.add(stream, ("t", frame.transfer_id))
             return True
         return False
-
-    def _remember(self, key: tuple[str, str, str | bytes]) -> None:
-        self._done[key] = None
-        self._done.move_to_end(key)
-        while len(self._done) > 2 * self.settings.dedup_size:
-            self._done.popitem(last=False)
 
     def _drop(self, key: tuple[str, bytes]) -> None:
         """Forget a partial transfer (completed, expired or evicted) and give back what it reserved."""

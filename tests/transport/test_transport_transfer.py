@@ -77,6 +77,19 @@ def test_dedup_memory_is_bounded() -> None:
     assert len(receiver._done) == 20  # a message id and a transfer id per message
 
 
+def test_a_flood_of_tiny_messages_from_one_node_does_not_make_another_nodes_message_deliver_twice() -> None:
+    receiver = Reassembler(TransferSettings(dedup_size=10))
+    honest = _transfer(b"reply", message_id="round-3-reply")
+    assert receiver.on_data("fedge/t/node/honest/out", _chunks(honest, [0])[0], 0.0)[1] is not None
+    for i in range(1000):  # far more messages than the receiver remembers
+        flood = _chunks(_transfer(b"x", message_id=f"flood-{i}"), [0])[0]
+        assert receiver.on_data("fedge/t/node/flooder/out", flood, 0.0)[1] is not None
+    # The honest node's chunk re-sent late (its DONE was lost) is still recognized, not delivered again.
+    ack, completed = receiver.on_data("fedge/t/node/honest/out", _chunks(honest, [0])[0], 0.0)
+    assert completed is None and ack is not None and ack.status is AckStatus.DONE
+    assert len(receiver._done) == 20
+
+
 def test_oversized_and_expired_messages_are_rejected() -> None:
     receiver = Reassembler(TransferSettings(max_message_bytes=50, clock_skew_s=0))
     ack, _ = receiver.on_data(STREAM, _chunks(_transfer(bytes(60)), [0])[0], 0.0)
