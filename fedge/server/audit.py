@@ -10,7 +10,8 @@ counted -- agrees with the model the coordinator holds, whatever moment it was k
 
 A strategy that knows which accepted replies it really aggregated (fedge's compressing strategies screen
 replies after the transport accepted them) names them: the commit line then carries ``nodes``, and only
-those count.
+those count. A round the run rolled back (its aggregate's loss was not finite, so the model before it was
+kept) commits with no nodes: none of its updates counted.
 
 Lines: ``{"event": "accepted" | "rejected" | "failed" | "refused", "node", "round", "time", ...}``,
 ``{"event": "commit", "round", "time", "nodes"?}``, ``{"event": "void", "round", "time", "reason"}`` and
@@ -24,7 +25,7 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +87,23 @@ class AuditLog:
         ids = {node for node, last in counted.items() if last == server_round}
         return sorted(name for name in self.accepted_nodes(server_round) if flower_node_id(name) in ids)
 
-    def settle(self, completed_round: int, counted: Mapping[int, int] | None = None) -> None:
+    def settle(
+        self,
+        completed_round: int,
+        counted: Mapping[int, int] | None = None,
+        rolled_back: Collection[int] = (),
+    ) -> None:
         """On resume: commit the uncommitted rounds the checkpoint holds, void the later ones.
 
-        ``counted`` is the checkpointed strategy's record of aggregated updates, if it keeps one.
+        ``counted`` is the checkpointed strategy's record of aggregated updates, if it keeps one;
+        ``rolled_back`` the rounds whose aggregate the run dropped (no update of theirs counts).
         """
         pending, committed = _scan(self.path)[1:]
         for server_round in sorted(set(pending) - committed):
             if server_round <= completed_round:
                 # The checkpoint was written; the crash came before the commit line.
                 nodes = self.counted_names(server_round, counted) if counted is not None else None
-                self.commit(server_round, nodes)
+                self.commit(server_round, [] if server_round in rolled_back else nodes)
             else:
                 self.write(
                     {

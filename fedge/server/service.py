@@ -249,7 +249,11 @@ def _run_service(
         if resume_point is None:
             audit.start_run()
         else:
-            audit.settle(resume_point.completed_round, _counted_record(resume_point.strategy_state))
+            audit.settle(
+                resume_point.completed_round,
+                _counted_record(resume_point.strategy_state),
+                rolled_back=_rolled_back(resume_point.history),
+            )
             grid.dropped.update(dropped_counts(state_dir / AUDIT_FILE))  # the run's, not this process's
 
         def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
@@ -257,6 +261,8 @@ def _run_service(
             save_checkpoint(state_dir, server_round, arrays, history, strategy_state)
             counted = _counted_record(strategy_state)  # which accepted replies the strategy aggregated
             nodes = audit.counted_names(server_round, counted) if counted is not None else None
+            if server_round in _rolled_back(history):  # its aggregate was dropped: no update counted
+                nodes = []
             audit.commit(server_round, nodes)  # only now do the round's accepted updates count
 
         # Flower's sampling waits for min_nodes without end: a fleet short for longer than the first wait
@@ -290,6 +296,11 @@ def _scheduled(grid: MqttGrid, schedule: Schedule) -> MqttGrid | ScheduledGrid:
 
     log.info("schedule: %s", schedule)
     return ScheduledGrid(grid, schedule, profiles=profiles, links=links)
+
+
+def _rolled_back(history: RunHistory) -> set[int]:
+    """The rounds whose aggregate the run dropped, keeping the model before them (a non-finite loss)."""
+    return {metrics.round for metrics in history.rounds if metrics.extra.get("rolled_back")}
 
 
 def _counted_record(strategy_state: Mapping[str, np.ndarray]) -> dict[int, int] | None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from service_helpers import reference_agent
+
 from fedge.app import client_app as reference
 from fedge.app.config import AppConfig
+from fedge.app.coordinator import CoordinatorConfig, run_coordinator
 from fedge.app.server_app import run_federated
 from fedge.flower.compat import set_task_identity
 from fedge.server.audit import AuditLog, counted_rounds, dropped_counts
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.server.service import ServiceConfig
 from fedge.simulation.local_grid import LocalGrid
 
 
@@ -119,3 +123,31 @@ def test_a_resumed_coordinator_counts_the_runs_drops_from_the_log(tmp_path: Path
     with path.open("a") as handle:
         handle.write("not json\n")
     assert dropped_counts(path) == {"unknown-instruction": 5, "late": 1}
+
+
+def test_a_rolled_back_round_counts_no_update_in_the_audit(mqtt, tmp_path: Path) -> None:
+    """A round whose aggregate's loss is NaN is undone; the audit must not say its updates counted."""
+    agent = reference_agent(mqtt(), tmp_path / "agent", "huge", client_app="huge_update_app:app")
+    agent.start()
+    try:
+        state_dir = tmp_path / "coordinator"
+        service = ServiceConfig(mqtt=mqtt(), state_dir=str(state_dir), wait_for_nodes_s=60.0)
+        app = AppConfig(rounds=3, local_epochs=1, min_nodes=1, export_every=0)
+        history = run_coordinator(CoordinatorConfig(service=service, app=app))
+    finally:
+        agent.close()
+    assert [r.extra.get("rolled_back", 0) for r in history.rounds] == [0, 1, 0]
+    assert counted_rounds(state_dir / "audit.jsonl") == {"huge": [1, 3]}
+
+
+def test_a_resume_settles_a_rolled_back_round_with_no_update_counted(tmp_path: Path) -> None:
+    """The crash came between a rolled-back round's checkpoint and its commit line."""
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.start_run()
+        _accept(log, "a", 1)
+        log.commit(1)
+        _accept(log, "a", 2)
+        _accept(log, "a", 3)
+        log.settle(completed_round=2, rolled_back={2})
+    assert counted_rounds(path) == {"a": [1]}

@@ -1,0 +1,28 @@
+"""A ClientApp for the service tests: the reference app, except that in round 2 it replies 1e30 in every
+floating weight (finite, so it passes a finiteness test, and its average's loss is NaN)."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Message, MessageType
+from flwr.clientapp import ClientApp
+
+from fedge.app.client_app import app as reference_app
+from fedge.protocol.records import record_to_arrays
+
+HUGE_ROUND = 2
+
+
+def _huge_in_round_two(msg: Message, context: Context) -> Message:
+    reply = reference_app(msg, context)
+    config = msg.content["config"] if msg.metadata.message_type == MessageType.TRAIN else {}
+    if reply.has_error() or int(config.get("server-round", 0)) != HUGE_ROUND:
+        return reply
+    arrays, _ = record_to_arrays(reply.content["arrays"])
+    huge = {n: np.full_like(v, 1e30) if v.dtype.kind == "f" else v for n, v in arrays.items()}
+    reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in huge.items()})
+    return reply
+
+
+app = ClientApp()
+app.train()(_huge_in_round_two)
