@@ -31,12 +31,18 @@ __all__ = [
 _BLOCK_ENDS = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.MaxPool2d, nn.AvgPool2d)
 
 
+def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every child in order, a module placed twice included (``named_children`` yields an instance once,
+    so ``nn.Sequential(linear, act, linear2, act)`` would lose its second ``act``)."""
+    return [(name, child) for name, child in module._modules.items() if child is not None]
+
+
 def _leaves(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
     if isinstance(module, nn.Sequential):
-        for name, child in module.named_children():
+        for name, child in _children(module):
             yield from _leaves(child, f"{prefix}{name}.")
         return
-    children = list(module.named_children())
+    children = _children(module)
     if children and all(isinstance(c, nn.Sequential) for _, c in children) and _forward_is_chain(module):
         for name, child in children:
             yield from _leaves(child, f"{prefix}{name}.")
@@ -112,31 +118,50 @@ def check_chain(model: nn.Module, example: torch.Tensor, *, atol: float = 1e-4) 
 
     ``split_chain = True`` is the model's promise that its Sequentials run one after the other; a forward
     with a skip connection or an extra operation breaks it, and split training would then silently train
-    another model than the one evaluated (0.43 apart on one such model). One forward pass keeps the promise
-    honest; the model's train/eval mode is restored.
+    another model than the one evaluated (0.43 apart on one such model). Forward passes keep the promise
+    honest: in eval mode, and in train mode with the same random draws for both (an operation only
+    training does, such as a dropout between the Sequentials, shows only there). The model's mode and its
+    buffers (BatchNorm's running statistics, which a train-mode pass updates) are restored.
     """
     training = model.training
-    model.eval()
+    buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
     try:
         with torch.no_grad():
-            whole = model(example)
-            try:
-                chained = as_chain(model)(example)
-            except Exception as err:  # the layers do not even fit one after the other (an LSTM's tuple)
-                raise ValueError(
-                    f"its chain of layers does not run one after the other ({type(err).__name__}: "
-                    f"{error_line(err)})"
-                ) from None
+            for mode in (False, True):
+                model.train(mode)
+                _compare(model, example, atol, "" if not mode else " in train mode")
     finally:
         model.train(training)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _compare(model: nn.Module, example: torch.Tensor, atol: float, mode: str) -> None:
+    """One forward of the model and of its chain, with the same random draws; ValueError if they differ."""
+    with torch.random.fork_rng(devices=[]):
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        torch.manual_seed(seed)
+        try:
+            whole = model(example)
+        except Exception as err:
+            raise ValueError(f"its forward raised {type(err).__name__}: {error_line(err)}") from None
+        torch.manual_seed(seed)
+        try:
+            chained = as_chain(model)(example)
+        except Exception as err:  # the layers do not even fit one after the other (an LSTM's tuple)
+            raise ValueError(
+                f"its chain of layers does not run one after the other ({type(err).__name__}: "
+                f"{error_line(err)})"
+            ) from None
     tensors = isinstance(whole, torch.Tensor) and isinstance(chained, torch.Tensor)
     if not tensors or whole.shape != chained.shape:
-        raise ValueError("the model's forward does not return what its chain of layers does")
+        raise ValueError(f"the model's forward does not return what its chain of layers does{mode}")
     gap = float((whole - chained).abs().max()) if whole.numel() else 0.0
     if not gap <= atol:
         raise ValueError(
-            f"the model's forward differs from its chain of layers by {gap:.3g}: a forward with skips or "
-            "extra operations cannot be split (set split_chain only when its Sequentials run in order)"
+            f"the model's forward differs from its chain of layers by {gap:.3g}{mode}: a forward with skips "
+            "or extra operations cannot be split (set split_chain only when its Sequentials run in order)"
         )
 
 

@@ -219,3 +219,57 @@ def test_a_model_too_small_to_split_says_so(tmp_path):
     )
     output = _refused(tmp_path, source, "OneLayer")
     assert "leaves no natural cut with server-side layers" in output  # it used to name split.cuts
+
+
+def test_a_module_placed_twice_in_a_sequential_stays_twice_in_its_chain():
+    """``named_children`` yields an instance once: a shared dropout or activation was dropped from the chain,
+    so split clients trained with one dropout where the model has two, and nothing said so."""
+    import torch
+    from torch import nn
+
+    from fedge.split.model import as_chain, chain_names, check_chain
+
+    drop = nn.Dropout(0.5)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), drop, nn.Linear(8, 8), nn.ReLU(), drop, nn.Linear(8, 2))
+    chain = as_chain(model)
+    assert len(chain) == len(model) and chain[2] is chain[5] is drop
+    assert chain_names(model) == [str(i) for i in range(7)]
+    check_chain(model, torch.randn(4, 6))  # equal in train mode too, with the same draws
+
+
+def test_check_chain_compares_in_train_mode_and_restores_running_statistics():
+    """An operation only training does (a dropout between the Sequentials) shows only in train mode."""
+    import torch
+    from torch import nn
+    from torch.nn import functional
+
+    from fedge.split.model import check_chain
+
+    class DropoutBetween(nn.Module):
+        split_chain = True
+
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
+            self.classifier = nn.Sequential(nn.Linear(8, 2))
+
+        def forward(self, x):
+            return self.classifier(functional.dropout(self.features(x), 0.9, self.training))
+
+    model = DropoutBetween().eval()
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    with pytest.raises(ValueError, match="in train mode"):
+        check_chain(model, torch.randn(4, 6))
+    assert not model.training
+    assert all(torch.equal(buffer, before[name]) for name, buffer in model.named_buffers())
+
+
+def test_check_chain_reports_a_forward_that_raises_in_one_line():
+    import torch
+    from torch import nn
+
+    from fedge.split.model import check_chain
+
+    model = nn.Sequential(nn.LSTM(4, 8, batch_first=True), nn.Flatten())  # the LSTM's tuple meets Flatten
+    with pytest.raises(ValueError, match=r"^its forward raised AttributeError: .*flatten"):
+        check_chain(model, torch.randn(2, 3, 4))
