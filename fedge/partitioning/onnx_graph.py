@@ -251,8 +251,10 @@ def _flops(
             if node.input[1] in weight_bytes
             else None
         )
-        per_out = math.prod(w.dims[1:]) if w is not None else 1
-        return 2.0 * out * per_out
+        per_element = math.prod(w.dims[1:]) if w is not None else 1
+        if op == "ConvTranspose":  # W is (C_in, C_out / groups, k...): every input element meets its slice
+            return 2.0 * elements(node.input[0], types, measured) * per_element
+        return 2.0 * out * per_element  # W is (C_out, C_in / groups, k...): every output element its slice
     if op in ("Gemm", "MatMul"):
         transposed = op == "Gemm" and any(at.name == "transA" and at.i for at in node.attribute)
         return 2.0 * out * dim_from_end(types.get(node.input[0]), 2 if transposed else 1)

@@ -24,6 +24,8 @@ import numpy as np
 
 from fedge.partitioning.costs import BOUNDARY_BYTES_FACTOR
 
+_FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
+
 __all__ = [
     "Encoded",
     "LocalRunner",
@@ -67,9 +69,12 @@ def encode(x: np.ndarray, boundary: str) -> Encoded:
         raise ValueError(f"unknown boundary encoding {boundary!r}")
     if x.dtype != np.float32 or boundary == "fp32":
         return Encoded(x, str(x.dtype))
-    if boundary == "fp16":
-        return Encoded(x.astype(np.float16), "float32")
     lo, hi = float(x.min(initial=0.0)), float(x.max(initial=0.0))
+    if boundary == "fp16":
+        # finite values beyond float16's range would arrive as ±inf (and the outputs after them NaN): such
+        # a tensor travels as it is, as a non-finite one does under int8
+        fits = _fits_float16(x, lo, hi)
+        return Encoded(x.astype(np.float16), "float32") if fits else Encoded(x, str(x.dtype))
     if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN or ±inf (an attention mask's -inf, say)
         # no affine grid holds them: int8 would turn the whole tensor into NaN; it travels as it is
         return Encoded(x, str(x.dtype))
@@ -77,6 +82,14 @@ def encode(x: np.ndarray, boundary: str) -> Encoded:
     zero = float(np.round(-lo / scale))
     q = np.clip(np.round(x / scale + zero), 0, 255).astype(np.uint8)
     return Encoded(q, "float32", scale, zero)
+
+
+def _fits_float16(x: np.ndarray, lo: float, hi: float) -> bool:
+    """Whether float16 holds every finite value of ``x`` (its non-finite ones stay what they are)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        finite = x[np.isfinite(x)]
+        lo, hi = float(finite.min(initial=0.0)), float(finite.max(initial=0.0))
+    return max(-lo, hi) <= _FLOAT16_MAX
 
 
 def decode(e: Encoded) -> np.ndarray:
@@ -123,6 +136,11 @@ class OrtExecutor:
         )
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.inputs = [i.name for i in self.session.get_inputs()]
+        # outputs whose first dimension the model fixes (a sequence-first output's length, say): not the
+        # batch, so micro-batches of them cannot be joined, even when the length equals a micro-batch's
+        self.fixed_first = {
+            o.name for o in self.session.get_outputs() if o.shape and isinstance(o.shape[0], int)
+        }
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # only what this stage reads: a prefix of a two-input model may not take the second input at all
@@ -246,22 +264,27 @@ class LocalRunner:
         if errors:
             raise errors[0]
         self.stats = RunStats(link_bytes, time.perf_counter() - start)
-        return _joined([results[i] for i in range(len(chunks))], chunks, self.crossing[-1])
+        fixed_first = getattr(self.executors[-1], "fixed_first", set())
+        return _joined([results[i] for i in range(len(chunks))], chunks, self.crossing[-1], fixed_first)
 
 
 def _joined(
-    results: list[dict[str, np.ndarray]], chunks: list[dict[str, np.ndarray]], names: Sequence[str]
+    results: list[dict[str, np.ndarray]],
+    chunks: list[dict[str, np.ndarray]],
+    names: Sequence[str],
+    fixed_first: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, np.ndarray]:
     """The micro-batches' outputs as one batch's. An output without the batch first (a scalar, a statistic
     over the batch, a sequence-first tensor) cannot be joined: a whole batch's is returned as it is, and
-    micro-batches of such a model are refused rather than glued into wrong values."""
+    micro-batches of such a model are refused rather than glued into wrong values. ``fixed_first``: outputs
+    whose first dimension the model declares fixed (refused even when it equals a micro-batch's size)."""
     if len(results) == 1:
         return dict(results[0])
     sizes = [len(next(iter(chunk.values()))) for chunk in chunks]
     for name in names:
         for result, size in zip(results, sizes, strict=True):
             shape = np.shape(result[name])
-            if not shape or shape[0] != size:
+            if not shape or shape[0] != size or name in fixed_first:
                 raise ValueError(
                     f"output {name} has no batch dimension first (shape {shape} for a micro-batch of {size}):"
                     " run the model whole (micro-batch 0)"

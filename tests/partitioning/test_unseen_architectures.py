@@ -193,3 +193,61 @@ def test_a_recurrent_layer_costs_its_products_at_every_step(kind, gates):
     graph = graph_from_onnx(export_onnx(Recurrent(kind).eval(), torch.randn(2, 64, 16)))
     recurrent = [node.flops for node in graph.nodes if node.op_type == kind.__name__.upper()]
     assert recurrent == [2.0 * 64 * gates * 128 * (16 + 128)]
+
+
+class SequenceFirstOutput(nn.Module):
+    """(B, S=2, 4) in, (S, B, 4) out: the output's first dimension is the sequence, fixed at 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).transpose(0, 1)
+
+
+def _two_stage_runner(model: nn.Module, example: torch.Tensor, out, boundary: str = "fp32"):
+    onnx_model, graph, _ = capture(model, example)
+    cost = CostModel(graph, FLEET, batch=1, boundary=boundary)
+    plan = evaluate(cost, [StagePlan("d0", 0, 2), StagePlan("d1", 2, len(graph))], "latency")
+    export_stages(onnx_model, graph, plan, out)
+    return load_runner(out)
+
+
+def test_a_sequence_first_output_is_refused_even_when_its_length_equals_the_micro_batch(tmp_path):
+    """The join took any output whose first dimension matched the micro-batch's size for batch-first."""
+    runner = _two_stage_runner(SequenceFirstOutput().eval(), torch.randn(3, 2, 4), tmp_path)
+    x = np.random.default_rng(0).normal(size=(4, 2, 4)).astype(np.float32)
+    assert runner.run({"input_0": x})["output_0"].shape == (2, 4, 4)  # whole, as the model gives it
+    for micro_batch in (3, 2):  # 2: the sequence's length
+        with pytest.raises(ValueError, match="has no batch dimension first"):
+            runner.run({"input_0": x}, micro_batch=micro_batch)
+
+
+def test_an_fp16_cut_sends_values_beyond_float16_as_they_are(tmp_path):
+    """Finite activations above 65504 became inf at an fp16 boundary, and the outputs NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    runner = _two_stage_runner(model, torch.randn(2, 8), tmp_path, boundary="fp16")
+    x = np.full((3, 8), 1e6, np.float32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    got = runner.run({"input_0": x})["output_0"]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    # an ordinary activation still travels as float16 (half the bytes)
+    runner.run({"input_0": np.ones((3, 8), np.float32)})
+    assert runner.stats.link_bytes == [3 * 16 * 2]
+
+
+@pytest.mark.parametrize(
+    ("cin", "cout", "kernel", "stride", "groups"), [(16, 8, 4, 2, 1), (8, 64, 3, 1, 1), (8, 8, 3, 1, 4)]
+)
+def test_a_transposed_convolution_costs_each_input_element_times_its_kernel(
+    cin, cout, kernel, stride, groups
+):
+    """The Conv formula (output elements times W's trailing dims) overcounted a decoder's layers 2.5-12.5x."""
+    model = nn.ConvTranspose2d(cin, cout, kernel, stride=stride, groups=groups).eval()
+    _, graph, _ = capture(model, torch.randn(2, cin, 8, 8))
+    (node,) = [n for n in graph.nodes if n.op_type == "ConvTranspose"]
+    assert node.flops == 2.0 * cin * 8 * 8 * (cout // groups) * kernel * kernel
