@@ -120,6 +120,16 @@ class ClockGrid(RunGrid):
                 f"schedule.training_memory_bytes: no client can hold training ({needed:.3g} bytes; the "
                 f"largest device has {largest:.3g})"
             )
+        # Nodes the trace never has available (a FedScale entry without intervals) never connect: they are
+        # not offered. The asynchronous runner refills a freed slot at once, so it picked such a node again
+        # and again, each loss at the same instant, and the clock never reached the real replies.
+        self._absent = {
+            node
+            for node, client in self._client_of.items()
+            if trace is not None and math.isinf(trace.next_available(client, 0.0))
+        }
+        if self._absent and len(self._absent) == len(self._client_of):
+            raise ConfigError("availability: the trace has no client ever available")
         self._pushed = 0
         if isinstance(inner, RunGrid):
             inner.on_wire = self._on_inner_wire
@@ -135,7 +145,7 @@ class ClockGrid(RunGrid):
         return self._inner.run
 
     def get_node_ids(self) -> Iterable[int]:
-        nodes = [n for n in self._inner.get_node_ids() if self._fits(n)]
+        nodes = [n for n in self._inner.get_node_ids() if self._fits(n) and n not in self._absent]
         if self.schedule.availability_aware and self._trace is not None:
             available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
             if not available and nodes and not self._queued:  # nobody is there: wait for the first

@@ -211,6 +211,41 @@ def test_a_client_cut_off_by_its_availability_loses_its_work():
     assert history.rounds[0].clients_sampled == 5  # C = 4, then one replacement for the lost client
 
 
+def test_a_client_the_trace_never_has_is_never_offered_and_fedbuff_trains_the_others():
+    """Client 0 has no interval at all. With concurrency above the clients still idle, the runner refilled
+    every freed slot with it at once, each loss at the same instant: the clock never reached the real
+    replies, and the run failed at t = 0 after 20 x C losses in a row."""
+    clients = 4
+    grid = LocalGrid(client_app, clients, workers=1)
+    client_of = {node: int(c.node_config["partition-id"]) for node, c in grid.contexts.items()}
+    period = 1e7
+    trace = AvailabilityTrace({0: [], **{i: [(0.0, period)] for i in range(1, clients)}}, period)
+    profiles = assign_fleet(FleetConfig(mix={"jetson_nano_eth": 1.0}), clients)
+    clock = ClockGrid(grid, profiles, client_of, lambda i, r: 1e9, 4 * 300_000, trace=trace)
+    try:
+        assert sorted(client_of[n] for n in clock.get_node_ids()) == [1, 2, 3]
+        history = run_federated(
+            clock, _fedbuff_app(rounds=3, concurrency=4, buffer_size=2), num_partitions=clients
+        )
+    finally:
+        grid.shutdown()
+    assert all(r.extra["accepted"] == 2 for r in history.rounds)
+    assert {t["client"] for r in history.rounds for t in r.timeline} <= {1, 2, 3}
+
+
+def test_a_trace_without_any_client_available_is_refused_in_one_line():
+    grid = LocalGrid(client_app, 2, workers=1)
+    client_of = {node: int(c.node_config["partition-id"]) for node, c in grid.contexts.items()}
+    profiles = assign_fleet(FleetConfig(mix={"jetson_nano_eth": 1.0}), 2)
+    try:
+        with pytest.raises(ConfigError, match="no client ever available"):
+            ClockGrid(
+                grid, profiles, client_of, lambda i, r: 1e9, 1, trace=AvailabilityTrace({0: [], 1: []}, 10.0)
+            )
+    finally:
+        grid.shutdown()
+
+
 def test_fedbuff_settings_are_checked_in_one_line():
     with pytest.raises(ConfigError, match="need strategy 'fedbuff'"):
         AppConfig(buffer_size=5)
@@ -312,11 +347,10 @@ def test_a_run_where_every_client_fails_ends_in_one_line_and_leaves_metrics_json
     assert (out / "metrics.json").exists()  # nothing aggregated: its config, still
 
 
-def test_a_fleet_never_available_ends_the_run_naming_its_availability(tmp_path):
-    """FedBuff's failure said "first: no reply", where the synchronous rounds name the availability."""
+def test_a_fleet_never_available_is_refused_before_the_run_naming_its_availability(tmp_path):
+    """FedBuff's failure said "first: no reply"; a trace without any client available is now refused before
+    the run starts, in one line naming the availability."""
     import pickle
-
-    from fedge.server.runner import RunFailed
 
     trace = tmp_path / "never.pkl"  # FedScale's format: nobody is ever active
     empty = {"duration": 100.0, "active": [], "inactive": [], "finish_time": 100.0}
@@ -324,8 +358,5 @@ def test_a_fleet_never_available_ends_the_run_naming_its_availability(tmp_path):
     config = SimulationConfig(
         clients=4, workers=1, app=_fedbuff_app(rounds=2), fleet=MIXED, availability=str(trace)
     )
-    with pytest.raises(
-        RunFailed, match=r"first: client \d is never available again \(its availability\)"
-    ) as info:
+    with pytest.raises(ConfigError, match="availability: the trace has no client ever available"):
         run_simulation(config)
-    assert not info.value.client_traceback
