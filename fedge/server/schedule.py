@@ -31,9 +31,10 @@ class Schedule:
         Set the deadline from recent rounds (:meth:`next_deadline`): ``deadline_slack`` times the
         ``deadline_quantile`` of the reply delays of the last rounds' sampled clients (``deadline_s``, if
         given, is the first round's value). A reply the deadline cut off counts at the round's length, a
-        lower bound: so a deadline that leaves more than ``1 - deadline_quantile`` of the clients out grows by
-        ``deadline_slack`` a round until it no longer does, instead of following only the replies it let in
-        (which shrank it round after round onto the fastest devices). Replies over-selection did not wait
+        lower bound: so a deadline that leaves more than ``1 - deadline_quantile`` of the clients out grows
+        until it no longer does (by ``deadline_slack`` a round while the window holds few of its earlier,
+        shorter cut-offs, more slowly after), instead of following only the replies it let in (which shrank
+        it round after round onto the fastest devices). Replies over-selection did not wait
         for are left out: the round had enough without them.
     deadline_quantile : float (default: 0.8)
         Which arrival delay of recent rounds the adaptive deadline follows, in (0, 1].
