@@ -102,6 +102,13 @@ class Schema:
         """Elements of all tensors."""
         return sum(math.prod(shape) for _, _, shape in self.tensors)
 
+    @property
+    def elements_cap(self) -> int:
+        """The cap a payload of these tensors passes: their elements, or their largest dimension if larger
+        (the other dimensions of a zero-size tensor exceed its zero elements)."""
+        largest = max((max(shape, default=0) for _, _, shape in self.tensors), default=0)
+        return max(self.size, largest, 1)
+
 
 def is_bound(payload: bytes | bytearray | memoryview) -> bool:
     """Whether ``payload`` is in the bound form (a plain payload starts with ``b"FEDC"``)."""
@@ -113,7 +120,7 @@ def bind(payload: bytes, schema: Schema) -> bytes | None:
 
     ``payload`` is one this process encoded (it is parsed, so a damaged one raises a ``CodecError``).
     """
-    info, _ = _parse(payload, max(schema.size, 1))
+    info, _ = _parse(payload, schema.elements_cap)
     if info.spec == schema.spec:
         flags = 0
     elif info.spec == _FP32_SPEC:

@@ -15,8 +15,10 @@ string. For each tensor it picks one of five record kinds:
 
 Whatever was chosen, a record that comes out bigger than the dense fp32 record is replaced by the
 policy's dense record: a tensor is never sent bigger than dense. And if the whole payload is still
-bigger than the plain ``fp32`` codec's (a tiny model, where the spec string and headers dominate), the
-``fp32`` payload is sent instead: a payload is never bigger than dense either.
+bigger than its values at 4 bytes each and than the plain ``fp32`` codec's payload (a tiny model, where the
+spec string and headers dominate), the ``fp32`` payload is sent instead: a payload is never bigger than both.
+(It may be a few bytes bigger than the ``fp32`` payload while under 4 bytes a value: an all-zero tensor is
+one byte in either, but the spec string and headers differ.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from fedge.compression.bits import put_varint
-from fedge.compression.errors import CodecConfigError, CodecError, InvalidTensorError
+from fedge.compression.errors import CodecConfigError, CodecError, InvalidTensorError, NonFiniteValueError
 from fedge.compression.powersgd import PowerSGD, matrix_shape
 from fedge.compression.quantize import BFloat16, Float16, Float32, ValueStage
 from fedge.compression.rice import encode_positions
@@ -153,13 +155,14 @@ class Codec:
         seed: int = 0,
         dtypes: Mapping[str, str] | None = None,
     ) -> bytes:
-        """Encode named tensors into one payload, never bigger than the same tensors sent dense in fp32.
+        """Encode named tensors into one payload, never bigger than both their values at 4 bytes each and
+        the plain ``fp32`` codec's payload.
 
         Per tensor the smallest of these records is written: *zero* when every value is 0 (an unchanged
         tensor's delta), exact dense fp32 for integer and bool tensors, otherwise the pipeline's record
         unless it is bigger than the dense fp32 record. If the whole payload still comes out bigger than
-        the plain ``fp32`` codec's (tiny models: the spec string and record headers dominate), that
-        payload is returned instead.
+        the values at 4 bytes each and the plain ``fp32`` codec's payload is smaller (tiny models: the spec
+        string and record headers dominate), that payload is returned instead.
 
         Parameters
         ----------
@@ -330,6 +333,7 @@ class Codec:
             values = flat[random_positions(flat.size, count, seed)]
             if sparsifier.unbiased and count:
                 values *= np.float32(flat.size / count)
+                _check_no_overflow(values)
             out.append(RANDOM)
             put_varint(out, count)
             out += seed.to_bytes(8, "little")
@@ -345,12 +349,22 @@ class Codec:
             return
         key = PowerSGD.state_key(name)
         warm = state.get(key) if state is not None else None
-        left, right = self.lowrank.factorize(flat.reshape(rows, cols), rank, warm, rng)
+        with np.errstate(over="ignore", invalid="ignore"):  # checked right below
+            left, right = self.lowrank.factorize(flat.reshape(rows, cols), rank, warm, rng)
+        _check_no_overflow(left)
+        _check_no_overflow(right)
         if state is not None:
             state[key] = right
         out.append(LOWRANK)
         put_varint(out, rank)
         self.values.encode(np.concatenate([left.reshape(-1), right.reshape(-1)]), rng, out)
+
+
+def _check_no_overflow(values: np.ndarray) -> None:
+    """Finite inputs can overflow on their way to the value stage (random-k's ``n / k`` scaling, PowerSGD's
+    products of values near float32's largest): the decoder would refuse the payload such values make."""
+    if not np.isfinite(values).all():
+        raise NonFiniteValueError("values overflowed float32 while encoding (inputs near 3.4e38?)")
 
 
 def _varint_size(value: int) -> int:

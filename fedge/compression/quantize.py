@@ -169,8 +169,18 @@ class BlockInt8(_ValueStage):
     def _encode(self, values: np.ndarray, rng: np.random.Generator) -> tuple[list[int], list[bytes]]:
         blocks = _blocked(values, self.block)
         peak, inverse = _peaks(blocks)
+        # The decoder takes a scale only if every code times it is finite (codes up to levels + 1 in magnitude
+        # may arrive): a block whose peak is within 1/(levels + 1) of float32's largest saturates there.
+        ceiling = np.float32(_FLOAT32_MAX / (self._levels + 1) * self._levels)
+        saturated = bool((peak > ceiling).any())
+        if saturated:
+            peak = np.minimum(peak, ceiling)
+            np.divide(1.0, peak, out=inverse, where=peak > _TINY)
         inverse *= self._levels
-        codes = np.rint(blocks * inverse[:, None]).astype(np.int8).reshape(-1)[: values.size]
+        rounded = np.rint(blocks * inverse[:, None])
+        if saturated:
+            np.clip(rounded, -self._levels, self._levels, out=rounded)
+        codes = rounded.astype(np.int8).reshape(-1)[: values.size]
         scales = (peak / np.float32(self._levels)).astype("<f4")
         return [self.block], [scales.tobytes(), self._pack(codes)]
 

@@ -175,9 +175,14 @@ def _parse(payload: bytes | bytearray | memoryview, max_elements: int) -> tuple[
         shape = tuple(reader.varint(f"tensor {name!r} shape", _MAX_DIM) for _ in range(ndim))
         size = math.prod(shape)
         total += size
-        if total > max_elements or max(shape, default=0) > max_elements:
+        if total > max_elements:
             raise PayloadTooLargeError(
                 f"tensor {name!r}: payload claims {total} elements, over the cap of {max_elements}"
+            )
+        if max(shape, default=0) > max_elements:  # a zero-size tensor's other dimensions, say
+            raise PayloadTooLargeError(
+                f"tensor {name!r}: a dimension of {max(shape)} in shape {shape} is over the cap of "
+                f"{max_elements} elements"
             )
         records.append(_read_record(reader, name, shape, DTYPES[dtype], start))
     if reader.remaining:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from fedge.compression import (
     CodecError,
+    PayloadTooLargeError,
     Schema,
     TensorMismatchError,
     bind,
@@ -124,3 +125,23 @@ def test_damaged_bound_payloads_raise_only_codec_errors(data: st.DataObject) -> 
     except CodecError:
         return
     assert decode(plain).keys() == update.keys()  # whatever survives is a whole, valid payload
+
+
+def test_a_model_of_zero_size_tensors_binds_and_unbinds() -> None:
+    """bind() capped dimensions at the model's elements (at least 1): a (0, 7) tensor's 7 was over it, so
+    bind raised on a payload this process had just encoded ("claims 0 elements")."""
+    codec = build_codec("topk:0.1+int8")
+    empty = {"e": np.zeros((0, 7), np.float32)}
+    payload = codec.encode(empty)
+    schema = Schema.of(codec, empty)
+    bound = bind(payload, schema)
+    assert bound is not None and unbind(bound, schema) == payload
+    assert decode(unbind(bound, schema))["e"].shape == (0, 7)
+
+
+def test_a_dimension_over_the_cap_is_named_as_such() -> None:
+    payload = build_codec("fp32").encode({"e": np.zeros((0, 7), np.float32)})
+    with pytest.raises(
+        PayloadTooLargeError, match=r"a dimension of 7 in shape \(0, 7\) is over the cap of 1"
+    ):
+        decode(payload, max_elements=1)

@@ -10,6 +10,7 @@ import pytest
 from fedge.compression import (
     CodecError,
     MalformedPayloadError,
+    NonFiniteValueError,
     TensorMismatchError,
     build_codec,
     decode,
@@ -204,3 +205,27 @@ def test_non_finite_input_and_bad_tensors_are_rejected_at_encode() -> None:
         build_codec("dense").encode({"w": np.array(["a"])})
     with pytest.raises(CodecError, match="name"):
         build_codec("dense").encode({"": np.ones(1)})
+
+
+@pytest.mark.parametrize(
+    ("spec", "levels"),
+    [("int8", 127), ("int4", 7), ("topk:0.5+int8", None), ("randk:0.5,unbiased=false+int4", None)],
+)
+def test_values_near_float32s_largest_saturate_into_a_payload_the_decoder_takes(spec, levels):
+    """A scale of max|v|/127 above float32's largest/128 was written, then refused by the decoder."""
+    codec = build_codec(f"{spec};min=0,patterns=")
+    largest = float(np.finfo(np.float32).max)
+    values = np.linspace(-largest, largest, 64, dtype=np.float32)
+    decoded = decode(codec.encode({"w": values}))["w"]
+    assert np.isfinite(decoded).all()
+    if levels is not None:  # dense: off by at most a step, or by the saturation (1/(levels + 1) of the peak)
+        assert np.abs(decoded.astype(np.float64) - values).max() <= largest / levels
+
+
+@pytest.mark.parametrize("spec", ["randk:0.01", "powersgd:1", "powersgd:1+int8"])
+def test_an_encoding_that_overflows_float32_raises_instead_of_writing_an_undecodable_payload(spec):
+    """Random-k scales kept values by n/k and PowerSGD multiplies: finite inputs near 3.4e38 overflowed."""
+    codec = build_codec(f"{spec};min=0,patterns=")
+    values = np.full((100, 100), 3.3e38, np.float32)
+    with pytest.raises(NonFiniteValueError, match="overflowed float32 while encoding"):
+        codec.encode({"w": values})
