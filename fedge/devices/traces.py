@@ -191,6 +191,9 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
     return AvailabilityTrace(intervals, periods)
 
 
+_LINE_LIMIT_S = float(2**52)  # seconds the clients' periods may add up to (float64 still resolves 1 s there)
+
+
 class AvailabilityTrace:
     """Per-client availability intervals, looping with a per-client period.
 
@@ -214,6 +217,12 @@ class AvailabilityTrace:
         )
         if len(periods) and not np.all(periods > 0):
             raise TraceError("every period must be > 0")
+        # The line below must tell apart seconds (the 1 s gap between clients, say): float64 does up to 2**52.
+        if len(periods) and float(np.sum(periods + 1.0)) >= _LINE_LIMIT_S:
+            raise TraceError(
+                f"the clients' periods add up to {float(np.sum(periods)):.3g} s, over {_LINE_LIMIT_S:.3g} s "
+                f"(for {len(periods)} clients, periods of at most {_LINE_LIMIT_S / len(periods):.3g} s)"
+            )
         # Lay the clients end to end on one line, client i owning [offset[i], offset[i] + period[i]): one
         # searchsorted then answers a query for every client at once.
         self._period = periods

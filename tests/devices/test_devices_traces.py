@@ -168,3 +168,15 @@ def test_a_file_that_is_not_a_pickle_is_named_as_such(tmp_path):
     path.write_text("clients = 3\nrounds = 2\n")
     with pytest.raises(TraceError, match=r"fleet\.toml is not a pickle"):
         read_availability(path)
+
+
+def test_periods_too_long_to_tell_seconds_apart_are_refused():
+    """Laid end to end on one float64 line, periods of 1e16 s merged neighbouring clients' intervals: 20
+    always-available clients showed as 1 available."""
+    from fedge.devices.traces import TraceError
+
+    assert all(
+        AvailabilityTrace({c: [(0.0, 1e14)] for c in range(20)}, 1e14).is_available(c, 5.0) for c in range(20)
+    )
+    with pytest.raises(TraceError, match="periods add up to 2e\\+17 s"):
+        AvailabilityTrace({c: [(0.0, 1e16)] for c in range(20)}, 1e16)
