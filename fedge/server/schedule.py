@@ -49,8 +49,9 @@ class Schedule:
     deadline_ramp_rounds : int (default: 0)
         Rounds over which the quantile moves to ``deadline_quantile_final`` (0: at once).
     over_select : float (default: 1.0)
-        The strategy samples this many times the clients it needs; the round aggregates the first
-        ``ceil(sampled / over_select)`` replies and ends at the last of them. 1.0 waits for everyone.
+        Of the clients the strategy sampled, the round aggregates the first ``ceil(sampled / over_select)``
+        replies and ends at the last of them (the rest count as late). The sample is not enlarged: raise
+        ``fraction_train`` with it to aggregate as many as before. 1.0 waits for everyone.
     availability_aware : bool (default: False)
         Offer only clients available now for sampling (random selection among all clients otherwise).
     memory_aware : bool (default: False)
