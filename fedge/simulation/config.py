@@ -81,11 +81,6 @@ class SimulationConfig:
                 " for clients it does not have (its rounds sample from all of them)"
             )
         check_schedule_for(self.app.strategy, self.schedule)
-        if self.app.strategy == "fedbuff" and self.app.buffer_size > self.clients:
-            raise ConfigError(  # every aggregation would be of fewer replies than the buffer asks for
-                f"buffer_size ({self.app.buffer_size}) exceeds clients ({self.clients}): a buffer fills with "
-                "one reply per client at most"
-            )
         if self.broker and self.engine != "mqtt":
             raise ConfigError(f"broker is for the mqtt engine; this run's engine is {self.engine}")
         if self.fleet is not None and self.engine == "mqtt":

@@ -360,9 +360,3 @@ def test_a_fleet_never_available_is_refused_before_the_run_naming_its_availabili
     )
     with pytest.raises(ConfigError, match="availability: the trace has no client ever available"):
         run_simulation(config)
-
-
-def test_a_buffer_larger_than_the_clients_is_refused_in_one_line():
-    """With K = 20 and 5 clients every aggregation was silently of 5 replies."""
-    with pytest.raises(ConfigError, match=r"buffer_size \(20\) exceeds clients \(5\)"):
-        SimulationConfig(clients=5, app=_fedbuff_app(buffer_size=20, concurrency=20))
