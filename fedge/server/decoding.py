@@ -33,6 +33,7 @@ from flwr.serverapp.strategy import Strategy
 from fedge.compression import decode_add
 from fedge.protocol.records import UPDATE_KEY, arrays_to_record, record_to_arrays
 from fedge.server.channel import CompressedChannel, CompressionConfig
+from fedge.server.dense_screening import conform_replies
 
 __all__ = ["DecodingStrategy"]
 
@@ -106,13 +107,17 @@ class DecodingStrategy(Strategy):
                 continue
             weights = {name: array.copy() for name, array in self._model.items()}
             decode_add(screened.payload, weights, max_elements=sum(a.size for a in weights.values()))
-            content = RecordDict({k: v for k, v in reply.content.items() if k != UPDATE_KEY})
+            # the decoded update is the reply's one ArrayRecord: any other array record it sent is dropped
+            content = RecordDict(
+                {k: v for k, v in reply.content.items() if k != UPDATE_KEY and not isinstance(v, ArrayRecord)}
+            )
             content[self._arrays_key] = arrays_to_record(weights, self._dtypes)
             reply.content = content
             dense.append(reply)
         if not any(not reply.has_error() for reply in dense):
             log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
             return None, None
+        conform_replies([reply for reply in dense if not reply.has_error()])  # as Flower's rule needs them
         arrays, metrics = self.strategy.aggregate_train(server_round, dense)
         if arrays is not None:  # the wrapped strategy's choice among the replies is not visible: all count
             self.channel.count(server_round, [r.metadata.src_node_id for r in dense if not r.has_error()])

@@ -26,6 +26,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -45,7 +46,7 @@ from fedge.server.screening import (
     screen_dense_reply,
 )
 
-__all__ = ["ScreenedStrategy"]
+__all__ = ["ScreenedStrategy", "conform_replies"]
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class ScreenedStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if not accepted:
             return None, None
-        _conform(accepted)
+        conform_replies(accepted)
         return self.strategy.aggregate_train(server_round, [*accepted, *errors])
 
     def configure_evaluate(
@@ -211,27 +212,43 @@ def _finite(arrays: ArrayRecord) -> bool:
     return True
 
 
-def _conform(replies: list[Message]) -> None:
-    """Give the accepted replies the record names of the first and only the metric names all share, as
-    Flower's consistency checks require (in place: each reply's content is replaced)."""
+def conform_replies(replies: list[Message]) -> None:
+    """Give the accepted replies what Flower's consistency checks and metric averaging require, in place:
+    one ArrayRecord and one MetricRecord each, under the first reply's names, and only the metrics that
+    every reply has as a number. A reply's extra arrays, a metric it alone sends or sends as a list (a
+    ``MetricRecord`` may hold lists: Flower's average then added a list to a float) are dropped rather
+    than letting one node's reply end the round loop with an exception."""
+    if not replies:
+        return
     first = replies[0].content
     arrays_key = next(k for k, r in first.items() if isinstance(r, ArrayRecord))
     metrics_key = next(k for k, r in first.items() if isinstance(r, MetricRecord))
-    metric_sets = [
-        set(next(r for r in reply.content.values() if isinstance(r, MetricRecord)).keys())
-        for reply in replies
-    ]
-    shared = set.intersection(*metric_sets)
-    for reply, names in zip(replies, metric_sets, strict=True):
+    metric_records = [_first_of(reply.content, MetricRecord) for reply in replies]
+    shared = set.intersection(
+        *({name for name, value in metrics.items() if _is_number(value)} for metrics in metric_records)
+    )
+    for reply, metrics in zip(replies, metric_records, strict=True):
         content = reply.content
-        as_wanted = isinstance(content.get(arrays_key), ArrayRecord) and isinstance(
-            content.get(metrics_key), MetricRecord
+        records = list(content.values())
+        as_wanted = (
+            set(metrics.keys()) == shared
+            and isinstance(content.get(arrays_key), ArrayRecord)
+            and content.get(metrics_key) is metrics
+            and sum(isinstance(r, ArrayRecord) for r in records) == 1
+            and sum(isinstance(r, MetricRecord) for r in records) == 1
         )
-        if names == shared and as_wanted:
+        if as_wanted:
             continue  # as Flower wants it already (every reply of an honest round)
-        arrays = next(r for r in content.values() if isinstance(r, ArrayRecord))
-        metrics = next(r for r in content.values() if isinstance(r, MetricRecord))
-        if names != shared:
+        arrays = _first_of(content, ArrayRecord)
+        if set(metrics.keys()) != shared:
             metrics = MetricRecord({name: metrics[name] for name in metrics if name in shared})
         others = {k: r for k, r in content.items() if not isinstance(r, ArrayRecord | MetricRecord)}
         reply.content = RecordDict({**others, arrays_key: arrays, metrics_key: metrics})
+
+
+def _first_of(content: RecordDict, kind: type) -> Any:
+    return next(r for r in content.values() if isinstance(r, kind))
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -33,7 +33,7 @@ class RunFailed(RuntimeError):
 
 def trained(metrics: RoundMetrics) -> bool:
     """Whether the round accepted an update (so the global model moved), and kept it."""
-    if metrics.extra.get("rolled_back"):
+    if metrics.extra.get("rolled_back") or metrics.extra.get("aggregation_failed"):
         return False
     return bool(metrics.extra.get("accepted", metrics.clients_replied))
 

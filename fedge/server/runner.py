@@ -26,7 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedge.config import ConfigError
+from fedge.config import ConfigError, error_line
 from fedge.flower.compat import ensure_task_identity
 from fedge.reporting.history import RoundListener, RoundMetrics, RunHistory, write_run_outputs
 from fedge.server.metered_grid import MeteredGrid
@@ -211,6 +211,11 @@ def run_rounds(
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
             if rolled_back:
                 metrics.extra["rolled_back"] = 1
+            aggregation_error = (
+                strategy.failed.get(server_round) if isinstance(strategy, _RoundOffset) else None
+            )
+            if aggregation_error:
+                metrics.extra["aggregation_failed"] = 1
             if not math.isfinite(metrics.accuracy) and all(math.isfinite(r.accuracy) for r in history.rounds):
                 log.warning(
                     "round %d: the task's evaluate() returned accuracy %s", server_round, metrics.accuracy
@@ -248,7 +253,7 @@ def run_rounds(
             if run.out_dir:  # people (and tools) can follow a long run in metrics.json
                 history.write(run.out_dir)
             history.notify(metrics)
-            failures.check(metrics, traffic.first_error, traffic.failed)
+            failures.check(metrics, aggregation_error or traffic.first_error, traffic.failed)
             if stop:
                 raise _StopEarly(stop)
         round_started = time.perf_counter()
@@ -316,6 +321,7 @@ class _RoundOffset(Strategy):
     def __init__(self, inner: Strategy, offset: int) -> None:
         self.inner, self.offset = inner, offset
         self.train_metrics: dict[int, MetricRecord | None] = {}  # round -> what aggregate_train returned
+        self.failed: dict[int, str] = {}  # round -> why its aggregation raised
         self._kept: ArrayRecord | None = None
 
     def keep(self, arrays: ArrayRecord) -> None:
@@ -328,7 +334,14 @@ class _RoundOffset(Strategy):
         return self.inner.configure_train(server_round + self.offset, arrays, config, grid)
 
     def aggregate_train(self, server_round, replies):
-        arrays, metrics = self.inner.aggregate_train(server_round + self.offset, replies)
+        try:
+            arrays, metrics = self.inner.aggregate_train(server_round + self.offset, replies)
+        except Exception as err:  # whatever a node's reply held, it must not end the coordinator's loop
+            reason = f"aggregation failed: {type(err).__name__}: {error_line(err)}"
+            log.error("round %d: %s; the model stays as it was", server_round + self.offset, reason)
+            log.debug("round %d: the aggregation's traceback", server_round + self.offset, exc_info=True)
+            self.failed[server_round + self.offset] = reason
+            arrays, metrics = None, None
         self.train_metrics[server_round + self.offset] = metrics
         return arrays, metrics
 
