@@ -173,6 +173,28 @@ def _ends_mid_line(path: Path) -> bool:
         return False
 
 
+def _event(line: str) -> tuple[str, int, dict[str, Any]] | None:
+    """``(kind, round, event)`` of one line of the log, or None if it is not an event this log writes (a
+    ``run-start`` has round 0). The log is fedge's own, but a damaged or edited line must never stop a
+    coordinator that replays it (a round of 1e400, a node that is a list)."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(event, dict) or not isinstance(kind := event.get("event"), str):
+        return None
+    if kind == "run-start":
+        return kind, 0, event
+    server_round = event.get("round")
+    if isinstance(server_round, str) and server_round.isdigit() and len(server_round) < 19:
+        server_round = int(server_round)
+    if not isinstance(server_round, int) or isinstance(server_round, bool) or not 0 <= server_round < 2**62:
+        return None
+    if kind == "accepted" and not isinstance(event.get("node"), str | int):
+        return None
+    return kind, server_round, event
+
+
 def _scan(path: Path) -> tuple[dict[str, set[int]], dict[int, set[str]], set[int]]:
     """Replay the log: (counted rounds per node, accepted-but-unsettled nodes per round, committed rounds)."""
     counted: dict[str, set[int]] = defaultdict(set)
@@ -181,20 +203,20 @@ def _scan(path: Path) -> tuple[dict[str, set[int]], dict[int, set[str]], set[int
     if not path.exists():
         return counted, pending, committed
     for line in path.read_text(errors="replace").splitlines():  # a damaged line is skipped, not fatal
-        try:
-            event = json.loads(line)
-            if event.get("event") == "run-start":
-                counted.clear(), pending.clear(), committed.clear()
-                continue
-            kind, server_round = event["event"], int(event["round"])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # a torn last line after a crash, or an event without a round ("?")
-        if kind == "accepted":
+        parsed = _event(line)
+        if parsed is None:
+            continue  # a torn last line after a crash, an event without a round ("?"), a line not ours
+        kind, server_round, event = parsed
+        if kind == "run-start":
+            counted.clear(), pending.clear(), committed.clear()
+        elif kind == "accepted":
             pending[server_round].add(str(event["node"]))
         elif kind == "commit":
             accepted = pending.pop(server_round, set())
             named = event.get("nodes")
-            for node in accepted & set(named) if isinstance(named, list) else accepted:
+            if isinstance(named, list):
+                accepted &= {node for node in named if isinstance(node, str)}
+            for node in accepted:
                 counted[node].add(server_round)
             committed.add(server_round)
         elif kind == "void":

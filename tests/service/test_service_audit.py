@@ -151,3 +151,27 @@ def test_a_resume_settles_a_rolled_back_round_with_no_update_counted(tmp_path: P
         _accept(log, "a", 3)
         log.settle(completed_round=2, rolled_back={2})
     assert counted_rounds(path) == {"a": [1]}
+
+
+def test_odd_lines_in_the_log_are_skipped_and_never_stop_the_coordinator(tmp_path: Path) -> None:
+    """A round of 1e400 (OverflowError) or a node that is a list (TypeError outside the try) crashed the
+    coordinator after every round's checkpoint, and every --resume, and `fedge status --audit`."""
+    path = tmp_path / "audit.jsonl"
+    with AuditLog(path) as log:
+        log.start_run()
+        _accept(log, "a", 1)
+        for odd in (
+            {"event": "commit", "round": 1e400, "nodes": ["a"]},
+            {"event": "commit", "round": 1, "nodes": [["a"], {"b": 1}]},
+            {"event": "accepted", "node": ["x"], "round": 1},
+            {"event": "accepted", "node": "y", "round": True},
+            {"event": "void", "round": -3},
+            ["not", "an", "event"],
+            {"event": 7, "round": 1},
+        ):
+            log._handle.write(json.dumps(odd) + "\n")  # as an edit or a damaged disk leaves them
+        _accept(log, "b", 2)
+        log.commit(2)
+        assert log.counted_names(2, {}) == []
+        log.settle(completed_round=2)
+    assert counted_rounds(path) == {"b": [2]}  # round 1's commit named no valid node
