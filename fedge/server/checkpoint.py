@@ -76,12 +76,50 @@ def load_checkpoint(state_dir: str | Path) -> ResumePoint | None:
                     timeline=row.get("timeline", []),
                 )
             )
-        return ResumePoint(int(meta["round"]), arrays, history, strategy_state)
+        completed = meta["round"]
+        _check_resumable(completed, arrays, history)
+        return ResumePoint(completed, arrays, history, strategy_state)
+    except _Unusable as err:
+        raise ConfigError(f"checkpoint {path} cannot be resumed: {err}") from None
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
         # numpy's own words for a damaged file mislead ("pickled data ... load it unsafely")
         raise ConfigError(
             f"checkpoint {path} is damaged (truncated or not a checkpoint): {type(err).__name__}"
         ) from None
+
+
+class _Unusable(ValueError):
+    """A checkpoint that reads but holds what no run could have written."""
+
+
+def _check_resumable(completed: object, arrays: ArrayRecord, history: RunHistory) -> None:
+    """Refuse (``_Unusable``, saying what) a checkpoint a run could not have written: its round not a
+    count of rounds, its history's figures not numbers, its model not finite (every update from it would
+    be rejected, and the resumed run would train nothing)."""
+    if not _is_int(completed) or not 1 <= completed < 10**9:  # type: ignore[operator]
+        raise _Unusable(f"its round is {completed!r}, not a number of completed rounds")
+    initial = history.initial_accuracy
+    if not isinstance(history.config, dict) or not (initial is None or _is_number(initial)):
+        raise _Unusable("its history's config or initial accuracy is not what a run writes")
+    for row in history.rounds:
+        counts = (row.round, row.clients_sampled, row.clients_replied, row.bytes_down, row.bytes_up)
+        figures = (row.accuracy, row.loss, row.wall_s)
+        if not all(map(_is_int, counts)) or not all(map(_is_number, figures)):
+            raise _Unusable(f"its history's round {row.round!r} holds a figure that is not a number")
+    if history.rounds and history.rounds[-1].round != completed:
+        raise _Unusable(f"its round is {completed} but its history ends at round {history.rounds[-1].round}")
+    for name, array in arrays.items():
+        values = array.numpy()
+        if values.dtype.kind in "fc" and not np.isfinite(values).all():
+            raise _Unusable(f"its model's {name!r} holds NaN or infinity")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def set_aside_checkpoint(state_dir: str | Path, name: str = CHECKPOINT_FILE) -> str | None:

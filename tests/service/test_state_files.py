@@ -3,12 +3,14 @@ model's checkpoint. Pure: the files are written and read without a broker."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
 from fedge.config import ConfigError
-from fedge.reporting.history import RunHistory
+from fedge.reporting.history import RoundMetrics, RunHistory
 from fedge.server.audit import AUDIT_FILE, AuditLog, counted_rounds
 from fedge.server.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fedge.server.runner import _check_same_model
@@ -36,6 +38,54 @@ def test_a_damaged_checkpoint_is_one_clear_error(tmp_path, damage):
     path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\x13" * 500}[damage])
     with pytest.raises(ConfigError, match=r"checkpoint .* is damaged \(truncated or not a checkpoint\)"):
         load_checkpoint(tmp_path)
+
+
+def _edited_checkpoint(tmp_path, edit) -> None:
+    """A good checkpoint of round 2, its meta (or model) changed by ``edit(meta, arrays)``."""
+    import json
+
+    history = RunHistory(config={})
+    for server_round in (1, 2):
+        history.rounds.append(
+            RoundMetrics(server_round, 0.5, 1.0, 2, 2, 10, 10, 0.1, {"export_version": "r1"})
+        )
+    arrays = {"w": np.ones((4, 4), np.float32)}
+    save_checkpoint(tmp_path, 2, ArrayRecord({k: Array(v) for k, v in arrays.items()}), history, {})
+    with np.load(tmp_path / CHECKPOINT_FILE) as data:
+        meta = json.loads(data["meta"].tobytes())
+    edit(meta, arrays)
+    tensors = {f"a{i}": arrays[name] for i, name in enumerate(meta["names"])}
+    np.savez(tmp_path / CHECKPOINT_FILE, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **tensors)
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda meta, arrays: meta.update(round=-1), "its round is -1"),
+        (lambda meta, arrays: meta.update(round=1.7), "its round is 1.7"),
+        (lambda meta, arrays: meta.update(round=float("inf")), "its round is inf"),
+        (lambda meta, arrays: meta.update(round=5), "its round is 5 but its history ends at round 2"),
+        (lambda meta, arrays: meta["history"]["rounds"][0].update(accuracy="high"), "round 1 holds a figure"),
+        (lambda meta, arrays: meta["history"].update(config=5), "config or initial accuracy"),
+        (lambda meta, arrays: arrays["w"].fill(np.nan), "model's 'w' holds NaN or infinity"),
+    ],
+)
+def test_a_checkpoint_no_run_could_have_written_is_refused_in_one_line(tmp_path, edit, needle):
+    """A round of -1 re-ran rounds (history 1, 2, 0, 1, ...), of inf was a traceback, a figure that is a
+    string a traceback after training, NaN weights a resumed run that trained nothing and exited 0."""
+    _edited_checkpoint(tmp_path, edit)
+    with pytest.raises(ConfigError, match=r"cannot be resumed: .*" + re.escape(needle)):
+        load_checkpoint(tmp_path)
+
+
+def test_an_unedited_checkpoint_loads(tmp_path):
+    _edited_checkpoint(tmp_path, lambda meta, arrays: None)
+    point = load_checkpoint(tmp_path)
+    assert (
+        point is not None
+        and point.completed_round == 2
+        and point.history.rounds[0].extra == {"export_version": "r1"}
+    )
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_training():
