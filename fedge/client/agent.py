@@ -38,7 +38,7 @@ from flwr.common.constant import ErrorCode
 
 from fedge.atomic import write_bytes_atomic
 from fedge.client.agent_config import REFERENCE_TASK, AgentConfig
-from fedge.config import make_state_dir
+from fedge.config import ConfigError, make_state_dir
 from fedge.devices.profile import measure_device
 from fedge.flower.compat import (
     MessageDecodeError,
@@ -145,6 +145,9 @@ class DeviceAgent:
         self._state_dir = Path(config.state_dir)
         self._inbox_dir = self._state_dir / "inbox"
         make_state_dir(self._inbox_dir)
+        state_file = self._state_dir / "state.bin"
+        if state_file.exists() and not state_file.is_file():  # it could be neither read nor replaced
+            raise ConfigError(f"{state_file} is not a file: the agent keeps its node's state there")
         self._lock = threading.Lock()
         self._endpoint = NodeEndpoint(config.mqtt, config.node_id, on_message=self._on_delivery)
         self.handled = 0
@@ -302,7 +305,7 @@ class DeviceAgent:
             # A state file from before the journal existed has three parts.
             journal = _Journal.from_bytes(parts[3]) if len(parts) > 3 else _Journal()
             return _State(context, parts[1].decode(), parts[2], journal)
-        except (ValueError, KeyError, TypeError, AttributeError, MessageDecodeError) as err:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, MessageDecodeError) as err:
             log.error("state file %s is damaged (%s); starting from a fresh context", path, err)
             return _State.empty()
 

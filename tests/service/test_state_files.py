@@ -115,3 +115,17 @@ def test_a_status_file_that_cannot_be_written_warns_once_and_never_stops_the_run
     writer._write()
     warned = [r for r in caplog.records if "cannot write" in r.getMessage()]
     assert len(warned) == 1 and "the run goes on without it" in warned[0].getMessage()
+
+
+def test_an_agent_whose_state_file_is_not_a_file_refuses_to_start(tmp_path):
+    """A directory named state.bin: the agent came online, then failed every instruction in its dispatch
+    thread (IsADirectoryError) and never answered: a silent dead node."""
+    from fedge.client.agent import AgentConfig, DeviceAgent
+    from fedge.transport import MqttConfig
+
+    (tmp_path / "state.bin").mkdir()
+    config = AgentConfig(
+        node_id="n1", mqtt=MqttConfig(broker_url="mqtt://127.0.0.1:1"), state_dir=str(tmp_path)
+    )
+    with pytest.raises(ConfigError, match=r"state.bin is not a file"):
+        DeviceAgent(config)
