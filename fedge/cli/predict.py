@@ -82,6 +82,8 @@ def predict(
         else:
             rows = {inputs[0].name: fit_to_shape(read_inputs(input_file), inputs[0].shape)}
         count = len(next(iter(rows.values())))
+        if not count:  # as an empty .csv: nothing to predict is a mistake, not a run
+            raise InputError(f"{input_file} holds no rows")
     except InputError as err:
         raise fail(str(err)) from None
     server.reset_stats()  # warm-up runs are not requests

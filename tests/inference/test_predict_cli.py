@@ -72,8 +72,13 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
     (tmp_path / "empty.csv").write_text("")
     np.savez(tmp_path / "unnamed.npz", np.zeros((2, 64), np.float32))  # key arr_0, not the model's input
     np.savez(tmp_path / "flat.npz", input=np.zeros((2, 64), np.float32), unused=np.zeros(2))
+    np.save(tmp_path / "empty.npy", np.zeros((0, 64), np.float32))  # was a traceback with --out
     cases = [
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "empty.csv")], "holds no rows"),
+        (
+            ["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "empty.npy"), "--out", "e.csv"],
+            "empty.npy holds no rows",
+        ),
         (
             ["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "unnamed.npz")],
             "takes inputs ['input']",
