@@ -88,7 +88,11 @@ def simulate(
     config: Path | None = typer.Option(
         None, "--config", help="TOML file with flat keys (clients, rounds, ...) and a [task] table."
     ),
-    out: Path = typer.Option(Path("runs/latest"), "--out", help="Directory for metrics.json and plots."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Directory for metrics.json and plots (default: the config's out_dir, else runs/latest).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and fedge's logs."),
 ) -> None:
     """Run the reference app with N virtual clients on this machine."""
@@ -120,10 +124,11 @@ def simulate(
         "strategy": strategy,
         "attack": attack,
         "attackers": attackers,
-        "out_dir": str(out),
     }
     flags = {key: value for key, value in flags.items() if value is not None}
     with config_errors():
+        out = _out_dir(config, out)
+        flags["out_dir"] = str(out)
         if task_arg:
             flags["task_args"] = parse_task_args(task_arg)
     if split:
@@ -177,6 +182,19 @@ def simulate(
     names = ("accuracy.png", "accuracy_vs_upload.png", "accuracy_vs_time.png", "timeline.png")
     plots = ", ".join(str(out / name) for name in names if (out / name).exists())
     console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)
+
+
+def _out_dir(config: Path | None, flag: Path | None) -> Path:
+    """Where the run writes: ``--out``, else the config file's ``out_dir``, else ``runs/latest``."""
+    if flag is not None:
+        return flag
+    table = read_toml(config) if config else {}
+    value = table.get("out_dir", table.get("out-dir"))
+    if value is None:
+        return Path("runs/latest")
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"out_dir must be a directory name, got {value!r}")
+    return Path(value)
 
 
 def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbose: bool) -> None:

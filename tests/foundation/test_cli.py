@@ -44,6 +44,18 @@ def test_config_file_and_flags_combine(tmp_path):
     assert "workers 1," in result.output
 
 
+def test_the_config_files_out_dir_is_where_the_run_writes_unless_out_is_given(tmp_path):
+    """--out's default had overridden the file's out_dir: the run wrote runs/latest (over an earlier run)."""
+    config = tmp_path / "run.toml"
+    config.write_text(f'clients = 3\nrounds = 1\nlocal_epochs = 1\nout_dir = "{tmp_path / "from_file"}"\n')
+    result = runner.invoke(app, ["simulate", "--config", str(config), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "from_file" / "metrics.json").is_file()
+    flag = tmp_path / "from_flag"
+    result = runner.invoke(app, ["simulate", "--config", str(config), "--workers", "1", "--out", str(flag)])
+    assert result.exit_code == 0 and (flag / "metrics.json").is_file(), result.output
+
+
 @pytest.mark.parametrize(
     ("args", "toml", "needle"),
     [
