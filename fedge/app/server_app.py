@@ -40,13 +40,9 @@ from fedge.server import (
 from fedge.server.budget import UploadBudget
 from fedge.server.model_export import ModelExporter, RoundExportConfig
 from fedge.server.runner import FederatedRun, ResumePoint, RoundEnd, run_rounds
+from fedge.server.screening import DENSE_MAX_WEIGHT_RATIO
 
 log = logging.getLogger(__name__)
-
-# Uncompressed replies: a weight (num-examples) over this multiple of the round's median is rejected. Far
-# above the compressed path's 10: FedAvg trusts its clients, and a fleet's honest partitions may differ
-# tens of times in size; a claim of 10^6 times the median is no partition.
-DENSE_MAX_WEIGHT_RATIO = 100.0
 
 __all__ = [
     "app",
@@ -178,12 +174,16 @@ def _fedbuff(config: AppConfig) -> FedBuffStrategy:
     optimizer = ServerOptimizer(
         config.server_optimizer, learning_rate=config.server_lr, momentum=config.server_momentum
     )
+    dense_screen = ReplyScreen(  # uncompressed replies, as the synchronous dense path screens them
+        config.max_norm_ratio or math.inf, max_weight_ratio=_weight_ratio(config, DENSE_MAX_WEIGHT_RATIO)
+    )
     return FedBuffStrategy(
         _compression(config) if config.codec else None,
         optimizer,
         buffer_size=config.buffer_size,
         concurrency=config.concurrency,
         staleness_exponent=config.staleness_exponent,
+        screen=dense_screen,
     )
 
 

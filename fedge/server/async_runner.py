@@ -34,6 +34,7 @@ deltas against the model they were sent.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -48,13 +49,14 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedge.compression import CodecError, decode_add
 from fedge.protocol.fleet import node_label
 from fedge.protocol.records import arrays_to_record, record_to_arrays
+from fedge.server.buffered_dense import screen_buffer
 from fedge.server.channel import CompressedChannel, CompressionConfig
 from fedge.server.counted import CHANNEL_KEYS
 from fedge.server.fedbuff import FedBuff
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.round_figures import average_train_metrics
 from fedge.server.runner import RunFailed, error_summary
-from fedge.server.screening import REJECTION_REASONS, Rejected, screen_dense_reply
+from fedge.server.screening import DENSE_MAX_WEIGHT_RATIO, REJECTION_REASONS, Rejected, ReplyScreen
 
 __all__ = ["FedBuffStrategy"]
 
@@ -89,6 +91,9 @@ class FedBuffStrategy(Strategy):
         MetricRecord key weighting each reply.
     poll_s : float (default: 0.05)
         Seconds between polls of a real-time Grid with nothing to hand over.
+    screen : ReplyScreen or None (default: None)
+        Dense replies' outlier tests over each buffer (compressed ones: ``compression``'s screen); None:
+        weights above ``DENSE_MAX_WEIGHT_RATIO`` times the buffer's median are rejected, norms untested.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class FedBuffStrategy(Strategy):
         staleness_exponent: float = 0.5,
         weighted_by_key: str = "num-examples",
         poll_s: float = 0.05,
+        screen: ReplyScreen | None = None,
     ) -> None:
         FedBuff({}, buffer_size=buffer_size, concurrency=concurrency, staleness_exponent=staleness_exponent)
         self.buffer_size, self.concurrency = buffer_size, concurrency
@@ -110,12 +116,16 @@ class FedBuffStrategy(Strategy):
         self.channel = _BufferedChannel(compression, weighted_by_key) if compression else None
         self._dense_rejected: dict[int, Counter[str]] = {}  # uncompressed replies: version -> reasons
         self.weighted_by_key, self.poll_s = weighted_by_key, poll_s
+        self.screen = screen or ReplyScreen(max_norm_ratio=math.inf, max_weight_ratio=DENSE_MAX_WEIGHT_RATIO)
         self.state: FedBuff | None = None
         self._dtypes: dict[str, str] = {}
         self._record: ArrayRecord | None = None  # the current model, as sent
         self._bases: dict[int, dict[str, np.ndarray]] = {}  # dense replies: label -> the model sent
         self._in_flight: dict[str, _Dispatch] = {}  # message id -> dispatch, until its reply is pulled
         self._arrived: dict[str, _Dispatch] = {}  # message id -> dispatch, while its reply is buffered
+        # nodes whose work was lost since the last aggregation: not sent work again before it (re-sent at
+        # once, a node failing at once kept a slot busy forever and the buffer never filled)
+        self._resting: set[int] = set()
         self._metrics: dict[int, dict[str, float]] = {}
         self.train_metrics: dict[int, MetricRecord | None] = {}  # version -> counted clients' train figures
         self._first_version = 0  # the version start() begins at: a resumed run's checkpointed round
@@ -146,7 +156,7 @@ class FedBuffStrategy(Strategy):
         if self.state is None:  # Flower's synchronous loop: only start() may drive this strategy
             raise RuntimeError("FedBuffStrategy runs its own loop: call start(), not Flower's round loop")
         label = self.state.version + 1
-        busy = {d.node for d in [*self._in_flight.values(), *self._arrived.values()]}
+        busy = {d.node for d in [*self._in_flight.values(), *self._arrived.values()]} | self._resting
         idle = sorted(n for n in grid.get_node_ids() if n not in busy)
         chosen = self._rng.sample(idle, max(0, min(self.concurrency - len(self._in_flight), len(idle))))
         config = ConfigRecord(dict(config))
@@ -179,6 +189,7 @@ class FedBuffStrategy(Strategy):
                 sent[dispatch.node] = (reply, dispatch)
         counted = self._add_compressed(label, sent) if self.channel else self._add_dense(label, sent)
         self.state.flush()
+        self._resting.clear()
         if self.channel is not None:
             self.channel.count(label, counted)
         self._record = arrays_to_record(self.state.model, self._dtypes)
@@ -276,6 +287,8 @@ class FedBuffStrategy(Strategy):
             replies = list(grid.pull_messages(list(self._in_flight))) if self._in_flight else []
             refill = False
             if not replies:  # nothing arrived (real time only: a simulated clock always hands one over)
+                if not self._in_flight and not buffer:  # only failed nodes are left: they try again
+                    self._resting.clear()
                 if self._expire(timeout) or not self._in_flight:
                     self._dispatch(grid, train_config)
                 if not self._in_flight and buffer:  # no other client can train: aggregate the buffer
@@ -290,6 +303,7 @@ class FedBuffStrategy(Strategy):
                     continue
                 if reply.has_error():  # lost: cut off, crashed or unreachable; its slot is refilled
                     losses, first_loss, refill = losses + 1, first_loss or reply.error.reason, True
+                    self._resting.add(dispatch.node)
                     log.info("node %d lost its work: %s", dispatch.node, reply.error.reason)
                     if losses > 20 * self.concurrency:
                         cause = error_summary(first_loss)
@@ -371,34 +385,22 @@ class FedBuffStrategy(Strategy):
 
     def _add_dense(self, label: int, sent: Mapping[int, tuple[Message, _Dispatch]]) -> list[int]:
         """Each reply's model minus the model it was sent, weighted by its examples; the nodes added.
-        A reply that fails :func:`~fedge.server.screening.screen_dense_reply` is rejected and counted."""
-        added = []
+        Replies :func:`~fedge.server.buffered_dense.screen_buffer` rejects are logged and counted."""
         rejected = self._dense_rejected.setdefault(label, Counter())
-        for node, (reply, dispatch) in sent.items():
-            base = self._bases.get(dispatch.label)
-            if base is None:
-                continue  # its version is no longer held: nothing to measure the update against
-            try:
-                checked = screen_dense_reply(
-                    reply.content,
-                    model=base,
-                    weighted_by_key=self.weighted_by_key,
-                    measure_norm=False,
-                    statistics=self.state.averaged,  # of the model's first dtypes: a later float base says
-                    # nothing of which tensors are integer buffers
-                )
-            except Rejected as rejection:
-                log.warning(
-                    "version %d: rejected the reply of node %s: %s", label, node_label(node), rejection
-                )
-                rejected[rejection.reason] += 1
-                continue
-            model, _ = record_to_arrays(reply.content[checked.arrays_key])
-            self.state.add(
-                {name: model[name] - base[name] for name in base}, dispatch.label - 1, checked.weight
-            )
-            added.append(node)
-        return added
+        updates, rejections = screen_buffer(
+            {node: (reply, dispatch.label) for node, (reply, dispatch) in sent.items()},
+            self._bases,
+            self.screen,
+            self.weighted_by_key,
+            self.state.averaged,  # of the model's first dtypes: a later float base says nothing of which
+            # tensors are integer buffers
+        )
+        for node, rejection in rejections:
+            log.warning("version %d: rejected the reply of node %s: %s", label, node_label(node), rejection)
+            rejected[rejection.reason] += 1
+        for update in updates:
+            self.state.add(update.delta, update.label - 1, update.weight)
+        return [update.node for update in updates]
 
 
 class _BufferedChannel(CompressedChannel):

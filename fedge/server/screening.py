@@ -33,6 +33,7 @@ from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.records import UPDATE_KEY
 
 __all__ = [
+    "DENSE_MAX_WEIGHT_RATIO",
     "REJECTION_REASONS",
     "DenseReply",
     "Rejected",
@@ -54,6 +55,12 @@ REJECTION_REASONS = (
     "norm_outlier",
     "weight_outlier",
 )
+
+
+DENSE_MAX_WEIGHT_RATIO = 100.0
+"""Uncompressed replies: a weight (``num-examples``) over this multiple of the round's median is rejected.
+Far above the compressed path's 10: FedAvg trusts its clients, and a fleet's honest partitions may differ
+tens of times in size; a claim of 10^6 times the median is no partition."""
 
 
 @dataclass(frozen=True)

@@ -207,8 +207,9 @@ def test_a_client_cut_off_by_its_availability_loses_its_work():
     rows = [t for r in history.rounds for t in r.timeline]
     assert [(t["client"], t["status"]) for t in rows if t["client"] == 0] == [(0, "cut_off")]
     assert rows[0]["client"] == 0 and rows[0]["arrival_s"] > rows[0]["away_s"] == 1e-4
-    assert all(r.extra["accepted"] == 2 for r in history.rounds)  # the lost slot was refilled
-    assert history.rounds[0].clients_sampled == 5  # C = 4, then one replacement for the lost client
+    assert all(r.extra["accepted"] == 2 for r in history.rounds)
+    # C = 4; the lost client rests until the aggregation, and no other is idle to take its slot
+    assert history.rounds[0].clients_sampled == 4
 
 
 def test_a_client_the_trace_never_has_is_never_offered_and_fedbuff_trains_the_others():
@@ -360,3 +361,47 @@ def test_a_fleet_never_available_is_refused_before_the_run_naming_its_availabili
     )
     with pytest.raises(ConfigError, match="availability: the trace has no client ever available"):
         run_simulation(config)
+
+
+def _node_zero(mod):
+    """A ClientApp whose partition 0 runs ``mod(reply, msg)`` on its train replies (the others honest)."""
+    from fl_helpers import reference_app
+
+    def wrapper(msg, context, call_next):
+        reply = call_next(msg, context)
+        if msg.metadata.message_type == "train" and context.node_config["partition-id"] == 0:
+            return mod(reply, msg)
+        return reply
+
+    return reference_app([wrapper])
+
+
+def test_a_dense_reply_claiming_a_huge_weight_is_rejected_from_its_buffer():
+    """Dense FedBuff weighed each update by its claimed examples, untested: a claim of 1e30 set the model."""
+    from flwr.app import MetricRecord
+
+    def inflated(reply, msg):
+        next(r for r in reply.content.values() if isinstance(r, MetricRecord))["num-examples"] = 1e30
+        return reply
+
+    grid = LocalGrid(_node_zero(inflated), 4, workers=1)
+    try:
+        history = run_federated(grid, _fedbuff_app(rounds=3, concurrency=4, buffer_size=4))
+    finally:
+        grid.shutdown()
+    assert all(r.extra["rejected_weight_outlier"] == 1 and r.extra["accepted"] == 3 for r in history.rounds)
+    assert history.rounds[-1].accuracy > 0.5
+
+
+def test_a_node_that_fails_at_once_rests_until_the_next_aggregation():
+    """Re-sent work at once, a node failing at once kept a slot busy for good: with fewer honest nodes than
+    K, the buffer never filled, and the run ended after 20 x C losses."""
+    from fedge.flower.node import error_reply
+
+    grid = LocalGrid(_node_zero(lambda reply, msg: error_reply(msg, 0, "broken install")), 4, workers=1)
+    try:
+        history = run_federated(grid, _fedbuff_app(rounds=3, concurrency=4, buffer_size=4))
+    finally:
+        grid.shutdown()
+    assert [r.extra["accepted"] for r in history.rounds] == [3, 3, 3]
+    assert history.rounds[-1].accuracy > 0.5
