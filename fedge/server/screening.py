@@ -21,6 +21,7 @@ same reasons, with the update measured as the reply's model minus the round's gl
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +29,18 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedge.compression import CodecError, NonFiniteValueError, Schema, decode, is_bound, unbind
+from fedge.compression import (
+    Codec,
+    CodecError,
+    NonFiniteValueError,
+    Schema,
+    build_codec,
+    decode,
+    dense_nbytes,
+    inspect_payload,
+    is_bound,
+    unbind,
+)
 from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.records import UPDATE_KEY
 
@@ -54,8 +66,11 @@ REJECTION_REASONS = (
     "non_finite",
     "norm_outlier",
     "weight_outlier",
+    "wrong_codec",
 )
 
+
+_FALLBACK_SPEC = Codec().spec  # a client's codec falls back to plain fp32 when it would inflate a payload
 
 DENSE_MAX_WEIGHT_RATIO = 100.0
 """Uncompressed replies: a weight (``num-examples``) over this multiple of the round's median is rejected.
@@ -146,8 +161,25 @@ def screen_reply(
         if is_bound(payload):
             if schema is None:
                 raise Rejected("undecodable", "payload bound to a schema, but this round has none")
-            payload = unbind(payload, schema, max_elements=max(size, 1))
+            payload = unbind(payload, schema, max_elements=max(size, 1))  # the schema's codec, or fp32's
+        elif schema is not None:
+            # A payload names its own codec: one dense where top-k was instructed is "sent" every
+            # coordinate, and so outvotes the others on nearly all of them under a sparse robust rule.
+            spec = inspect_payload(payload, max_elements=max(size, 1)).spec
+            if spec not in (schema.spec, _FALLBACK_SPEC):
+                raise Rejected(
+                    "wrong_codec", f"payload of codec {spec!r}, the instruction's is {schema.spec!r}"
+                )
         decoded = decode(payload, max_elements=max(size, 1))
+        if (
+            schema is not None
+            and schema.spec != _FALLBACK_SPEC
+            and _claims_fallback(payload, decoded, schema)
+        ):
+            raise Rejected(
+                "wrong_codec",
+                f"a dense fp32 payload where {schema.spec!r} was instructed would not have outgrown fp32",
+            )
     except NonFiniteValueError as err:
         raise Rejected("non_finite", str(err)) from None
     except CodecError as err:
@@ -172,6 +204,26 @@ def screen_reply(
     if not math.isfinite(norm):
         raise Rejected("non_finite", "the update's norm overflows")
     return ScreenedReply(node_id, payload, weight, norm, content)
+
+
+def _claims_fallback(payload: bytes, decoded: Mapping[str, np.ndarray], schema: Schema) -> bool:
+    """Whether ``payload`` is the plain-fp32 fallback although the instructed codec, on the very values it
+    carries, would not have outgrown their dense size (so a client's codec could not have chosen it).
+
+    A client's codec falls back to fp32 only when its own payload comes out bigger than the values at 4
+    bytes each (tiny models, dense-heavy codecs); the check re-encodes, so it costs an encode, only for
+    such payloads (an honest fleet's are rare, and small)."""
+    elements = sum(array.size for array in decoded.values())
+    if inspect_payload(payload, max_elements=max(elements, 1)).spec != _FALLBACK_SPEC:
+        return False
+    dtypes = {name: dtype for name, dtype, _ in schema.tensors}
+    instructed = _codec(schema.spec).encode(decoded, dtypes=dtypes)
+    return len(instructed) < 0.9 * dense_nbytes(decoded)  # margin: sampled positions vary in size
+
+
+@functools.lru_cache(maxsize=16)
+def _codec(spec: str) -> Codec:
+    return build_codec(spec)
 
 
 @dataclass(frozen=True)
