@@ -60,16 +60,17 @@ def test_a_fleet_that_can_never_train_ends_in_one_line_not_a_wait():
         _run(Schedule(memory_aware=True, training_memory_bytes=1e30), rounds=1)
 
 
-def test_an_availability_trace_with_nobody_ever_available_ends_the_run(tmp_path):
+def test_an_availability_trace_with_nobody_ever_available_is_refused_before_the_run(tmp_path):
     import pickle
 
-    from fedge.server.runner import RunFailed
+    from fedge.config import ConfigError
 
     trace = tmp_path / "nobody.pkl"  # FedScale's format: nobody is ever active
     empty = {"duration": 100.0, "active": [], "inactive": [], "finish_time": 100.0}
     trace.write_bytes(pickle.dumps({i: dict(empty) for i in range(8)}))
-    with pytest.raises(RunFailed, match="no client of the availability trace is available"):
-        _run(Schedule(availability_aware=True), availability=str(trace), rounds=1)
+    for schedule in (Schedule(availability_aware=True), Schedule()):
+        with pytest.raises(ConfigError, match="availability: the trace has no client ever available"):
+            _run(schedule, availability=str(trace), rounds=1)
 
 
 def test_a_round_that_finds_everyone_away_waits_until_they_are_back(tmp_path):
