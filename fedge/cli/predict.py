@@ -60,6 +60,8 @@ def predict(
         raise fail(f"--model {model} is JSON: give the .onnx file (models/latest.json names the latest one)")
     if out is not None and (out.suffix not in (".csv", ".npy", ".npz") or out.is_dir()):
         raise fail(f"--out {out} must be a .csv, .npy or .npz file")
+    if out is not None and out.resolve() in (input_file.resolve(), model.resolve()):
+        raise fail(f"--out {out} is the input or model file itself: it would be overwritten")
     if out is not None:  # before any work: a place it cannot write fails in one line, not after the rows
         with config_errors():
             check_out_dir(out.parent, what=f"--out {out}: {out.parent}")

@@ -85,6 +85,10 @@ class AgentConfig:
             raise ConfigError(f"max_instruction_bytes must be >= 1, got {self.max_instruction_bytes}")
         if self.signing_key is not None and not self.signing_key:
             raise ConfigError("signing key is empty")
+        if not self.tasks:  # it would come online and refuse every instruction
+            raise ConfigError(
+                "tasks is empty: the agent could run no task (leave it out for the reference task)"
+            )
         for task in self.tasks:
             module, sep, name = task.rpartition(":")
             if not (sep and module and name):

@@ -90,6 +90,7 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path)], "is a directory"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", str(tmp_path)], "--out"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", "p.txt"], ".npy or .npz"),
+        (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--out", str(wrong)], "overwritten"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong), "--threads", "100000"], "--threads"),
     ]
     for args, message in cases:

@@ -315,6 +315,7 @@ def test_instruction_signatures_bind_key_node_message_id_and_bytes(tmp_path):
     [
         ('tasks = ["fedge.app.task"]\n', "tasks entry"),
         ("tasks = [1]\n", r"tasks\[0\] must be str"),
+        ("tasks = []\n", "tasks is empty: the agent could run no task"),
         ("instruction_key_files = []\n", "non-empty list"),
         ('instruction_key_files = ["/nonexistent.pub"]\n', "instruction key file"),
     ],
