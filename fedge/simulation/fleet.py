@@ -55,7 +55,10 @@ def availability_trace(spec: str, clients: int, seed: int) -> AvailabilityTrace 
     if spec == "diurnal":
         return diurnal_trace(clients, seed=seed)
     if not Path(spec).is_file():
-        raise ConfigError(f"availability {spec!r} is neither 'random', 'diurnal' nor a trace file")
+        state = "is a directory" if Path(spec).is_dir() else "does not exist"
+        raise ConfigError(
+            f"availability {spec!r} is neither 'random', 'diurnal' nor a trace file (the path {state})"
+        )
     return read_availability(spec).remap(clients, seed=seed)
 
 

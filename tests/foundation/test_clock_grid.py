@@ -166,3 +166,13 @@ def test_ray_samples_the_clients_the_local_engine_does_each_with_its_own_profile
     assert all(len({compute for _, compute in rows}) == 3 for rows in timings["local"])  # pairing shows
     assert timings["ray"] == timings["local"] and accuracies["ray"] == accuracies["local"]
     assert dict(os.environ) == environment  # Ray's PYTHONPATH reached every later subprocess of the suite
+
+
+def test_an_availability_path_that_is_missing_says_so(tmp_path):
+    from fedge.config import ConfigError
+    from fedge.simulation.fleet import availability_trace
+
+    with pytest.raises(ConfigError, match=r"nor a trace file \(the path does not exist\)"):
+        availability_trace(str(tmp_path / "missing.pkl"), 3, seed=0)
+    with pytest.raises(ConfigError, match=r"\(the path is a directory\)"):
+        availability_trace(str(tmp_path), 3, seed=0)
