@@ -6,6 +6,9 @@ A reply is rejected, never fatal, when it
 * has no usable weight (``bad_weight``: ``num-examples`` missing, not a positive finite number);
 * does not decode within the model's size (``undecodable``: garbage, truncated, corrupted bytes);
 * decodes to other tensor names or shapes than the model's (``wrong_tensors``);
+* is of another codec than its instruction named, or the plain-fp32 fallback where that codec, on the very
+  values, would not have outgrown fp32 (``wrong_codec``: a payload names its own codec, and a dense one
+  under top-k would be "sent" every coordinate);
 * holds NaN or infinity, or an update whose norm overflows (``non_finite``);
 * has an update norm far above the round's typical one (``norm_outlier``: more than
   ``max_norm_ratio`` times the median norm of the round's otherwise valid replies);
