@@ -173,7 +173,7 @@ def simulate(
         if completed:
             title = f"fedge simulate ({sim.engine}), interrupted"
             console.print(summary_table(RunHistory(config={}, rounds=completed), title=title))
-        kept = f"; its metrics and plots are in {out}" if completed else ""
+        kept = _kept(out) if completed else ""
         console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
         raise typer.Exit(143 if stopped_by else 130) from None
     console.print(summary_table(history, title=f"fedge simulate ({sim.engine})"))
@@ -182,6 +182,13 @@ def simulate(
     names = ("accuracy.png", "accuracy_vs_upload.png", "accuracy_vs_time.png", "timeline.png")
     plots = ", ".join(str(out / name) for name in names if (out / name).exists())
     console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)
+
+
+def _kept(out: Path) -> str:
+    """What an interrupted run left in ``out``, as the end of its last line (only files that are there: a
+    run stopped while drawing its plots has none)."""
+    plots = ", ".join(sorted(path.name for path in out.glob("*.png")))
+    return f"; its metrics are in {out / 'metrics.json'}" + (f", its plots: {plots}" if plots else "")
 
 
 def _out_dir(config: Path | None, flag: Path | None) -> Path:
@@ -226,14 +233,14 @@ def _simulate_split(config: Path | None, flags: dict[str, Any], out: Path, verbo
         highlight=False,
     )
     console.print(plan_table(run))
+    stopped_by = interrupt_on_sigterm()  # `kill` ends the run as Ctrl-C does: what it did is kept and shown
     try:
         with RoundProgress(sim.app.rounds, console) as progress:
             history = run.run(listeners=[progress.update])
     except KeyboardInterrupt:
         done = len(run.history.rounds)
-        kept = f"; its metrics and plots are in {out}" if done else ""
-        console.print(f"interrupted after {done} of {sim.app.rounds} rounds{kept}")
-        raise typer.Exit(130) from None
+        console.print(f"interrupted after {done} of {sim.app.rounds} rounds{_kept(out) if done else ''}")
+        raise typer.Exit(143 if stopped_by else 130) from None
     console.print(split_summary_table(history))
     plots = ", ".join(str(out / name) for name in ("accuracy.png", "accuracy_vs_time.png"))
     console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)

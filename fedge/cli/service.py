@@ -43,9 +43,9 @@ def coordinator(
     try:
         with config_errors():
             history = run_coordinator(settings, resume=resume)
-    except (TimeoutError, ConnectionError) as err:
+    except ConnectionError as err:  # the broker: its address, credentials or TLS settings, most often
         raise fail(str(err)) from None
-    except RunFailed as err:
+    except (TimeoutError, RunFailed) as err:  # a fleet short for good, or no round trained: the run failed
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:

@@ -49,8 +49,11 @@ def split_coordinator(
                     f"{r.full_clients} full + {r.split_clients} split clients, {r.lost_batches} lost batches"
                 ),
             )
-    except (TimeoutError, ConnectionError) as err:
+    except ConnectionError as err:  # the broker: its address, credentials or TLS settings, most often
         raise fail(str(err)) from None
+    except TimeoutError as err:  # a fleet short for good: the run failed
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         where = (
             "'fedge split-coordinator --resume' continues from the last round"

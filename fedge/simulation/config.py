@@ -90,6 +90,8 @@ class SimulationConfig:
         ):  # they act on the simulated clock, which a fleet drives
             if self.availability:
                 raise ConfigError("availability needs a [fleet] (the simulated clock it applies to)")
+            if self.app.sim_time_budget_s:
+                raise ConfigError("sim_time_budget_s needs a [fleet] (the simulated clock it budgets)")
             if self.schedule != Schedule():
                 raise ConfigError(
                     "a [schedule] needs a [fleet] on the local and ray engines (simulated time)"

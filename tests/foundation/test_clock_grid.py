@@ -145,6 +145,8 @@ def test_a_schedule_or_availability_without_a_fleet_is_refused():
         SimulationConfig(clients=4, schedule=Schedule(deadline_s=1e-9))
     with pytest.raises(ConfigError, match=r"availability needs a \[fleet\]"):
         SimulationConfig(clients=4, availability="random")
+    with pytest.raises(ConfigError, match=r"sim_time_budget_s needs a \[fleet\]"):  # all rounds ran
+        SimulationConfig(clients=4, app=AppConfig(sim_time_budget_s=60.0))
     SimulationConfig(clients=4, engine="mqtt", schedule=Schedule(deadline_s=5.0))  # real time over MQTT
 
 

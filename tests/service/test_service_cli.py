@@ -70,3 +70,15 @@ def test_coordinator_stops_cleanly_on_sigterm_and_ctrl_c(broker, tmp_path, signu
     assert process.returncode == code, output[-2000:]
     assert "stopped after round 0; 'fedge coordinator --resume'" in output
     assert "Traceback" not in output
+
+
+def test_a_fleet_that_never_gathers_ends_the_coordinator_with_status_1(broker, tmp_path):
+    """Giving up on min_nodes is a run that failed (1, as the README says), not a bad config (2)."""
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\nwait_for_nodes_s = 0.5\n[mqtt]\nbroker_url = "{broker.url}"\n'
+        'fleet = "short"\n[app]\nrounds = 1\nmin_nodes = 2\n'
+    )
+    result = runner.invoke(app, ["coordinator", "--config", str(config)])
+    assert result.exit_code == 1, result.output
+    assert "0 of the 2 nodes needed came online" in result.output and "Traceback" not in result.output

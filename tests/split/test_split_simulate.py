@@ -273,3 +273,31 @@ def test_check_chain_reports_a_forward_that_raises_in_one_line():
     model = nn.Sequential(nn.LSTM(4, 8, batch_first=True), nn.Flatten())  # the LSTM's tuple meets Flatten
     with pytest.raises(ValueError, match=r"^its forward raised AttributeError: .*flatten"):
         check_chain(model, torch.randn(2, 3, 4))
+
+
+def test_kill_ends_a_split_simulation_as_ctrl_c_does(tmp_path):
+    """SIGTERM killed `fedge simulate --split` outright: no summary line, no exit status of its own."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "fedge", "simulate", "--split", "--clients", "4", "--rounds", "300"]
+    process = subprocess.Popen(
+        [*command, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.json").exists():  # written after every round: stop once one has completed
+        assert time.monotonic() < deadline, "no round completed"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=0.1)
+            raise AssertionError(
+                f"fedge simulate --split ended before a round completed: {process.returncode}"
+            )
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 143, output[-2000:]
+    assert "interrupted after" in output and "its metrics are in" in output  # rich wraps the path
+    assert "Traceback" not in output
