@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -22,6 +23,8 @@ __all__ = [
     "configure_logging",
     "fail",
     "interrupt_on_sigterm",
+    "json_values",
+    "non_finite_rows",
 ]
 
 
@@ -109,3 +112,23 @@ class _JsonLines(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
+
+
+def non_finite_rows(outputs: Any, rows: int) -> int:
+    """Rows (of ``rows``) with a NaN or an infinity in any of ``outputs`` (each batch first)."""
+    import numpy as np
+
+    bad = np.zeros(rows, bool)
+    for value in outputs:
+        if value.size and value.dtype.kind in "fc" and len(value) == rows:
+            bad |= ~np.isfinite(value.reshape(rows, -1)).all(axis=1)
+    return int(bad.sum())
+
+
+def json_values(value: Any) -> list:
+    """``value.tolist()`` with NaN and infinities as null (JSON has neither)."""
+    import numpy as np
+
+    if value.dtype.kind not in "fc" or np.isfinite(value).all():
+        return value.tolist()
+    return np.where(np.isfinite(value), value, None).tolist()

@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from fedge.cli.common import check_out_dir, config_errors, fail
+from fedge.cli.common import check_out_dir, config_errors, fail, json_values, non_finite_rows
 
 __all__ = ["predict"]
 
@@ -98,7 +98,7 @@ def predict(
         raise fail(f"inference failed: {type(err).__name__}: {err}") from None
     empty = np.empty((0, 0), np.float32)
     named = {name: np.concatenate(parts) if parts else empty for name, parts in batches.items()}
-    broken = _non_finite_rows(named.values(), count)
+    broken = non_finite_rows(named.values(), count)
     if broken:  # NaN in, NaN out: argmax would call every such row class 0
         typer.echo(f"warning: {broken} of {count} rows have NaN or infinite outputs", err=True)
     if len(named) > 1:  # every output by name, as they are
@@ -127,7 +127,7 @@ def predict(
     }
     if as_json:
         key = "predictions" if classify else "outputs"
-        listed = _json_values(predictions)
+        listed = json_values(predictions)
         typer.echo(json.dumps({**summary, key: listed, "output_shape": list(outputs.shape)}, allow_nan=False))
         return
     for i, row in enumerate(predictions):
@@ -150,7 +150,7 @@ def _report_named(named: dict, out: Path | None, as_json: bool, stats: Any) -> N
     rows = len(next(iter(named.values())))
     if as_json:
         shapes = {name: list(value.shape) for name, value in named.items()}
-        listed = {name: _json_values(value) for name, value in named.items()}
+        listed = {name: json_values(value) for name, value in named.items()}
         latency = {"p50_ms": stats.p50_ms, "p95_ms": stats.p95_ms, "p99_ms": stats.p99_ms}
         typer.echo(
             json.dumps(
@@ -172,23 +172,3 @@ def _report_named(named: dict, out: Path | None, as_json: bool, stats: Any) -> N
         f"p50 {stats.p50_ms:.3f} ms, p95 {stats.p95_ms:.3f} ms, p99 {stats.p99_ms:.3f} ms",
         err=True,
     )
-
-
-def _non_finite_rows(outputs: Any, rows: int) -> int:
-    """Rows (of ``rows``) with a NaN or an infinity in any of ``outputs`` (each batch first)."""
-    import numpy as np
-
-    bad = np.zeros(rows, bool)
-    for value in outputs:
-        if value.size and value.dtype.kind in "fc" and len(value) == rows:
-            bad |= ~np.isfinite(value.reshape(rows, -1)).all(axis=1)
-    return int(bad.sum())
-
-
-def _json_values(value: Any) -> list:
-    """``value.tolist()`` with NaN and infinities as null (JSON has neither)."""
-    import numpy as np
-
-    if value.dtype.kind not in "fc" or np.isfinite(value).all():
-        return value.tolist()
-    return np.where(np.isfinite(value), value, None).tolist()

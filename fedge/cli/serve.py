@@ -16,7 +16,14 @@ from pathlib import Path
 
 import typer
 
-from fedge.cli.common import check_finite, config_errors, configure_logging, fail
+from fedge.cli.common import (
+    check_finite,
+    config_errors,
+    configure_logging,
+    fail,
+    json_values,
+    non_finite_rows,
+)
 
 __all__ = ["infer", "serve"]
 
@@ -113,9 +120,14 @@ def infer(
     from fedge.inference.io import is_class_scores
 
     outputs = answer.outputs
+    named_outputs = outputs if isinstance(outputs, dict) else {"output": outputs}
+    count = len(next(iter(named_outputs.values()), []))
+    broken = non_finite_rows(named_outputs.values(), count)
+    if broken:  # NaN in, NaN out: argmax would call every such row class 0
+        typer.echo(f"warning: {broken} of {count} rows have NaN or infinite outputs", err=True)
     if isinstance(outputs, dict):  # a named request is answered with every output by name
         if as_json:
-            named = {name: value.tolist() for name, value in outputs.items()}
+            named = {name: json_values(value) for name, value in outputs.items()}
             typer.echo(json.dumps({"version": answer.version, "outputs": named}))
             return
         typer.echo(f"model {answer.version}:")
@@ -125,7 +137,7 @@ def infer(
     classify = answer.kind != "values" and is_class_scores(outputs)  # a regressor's columns are values
     classes = outputs.argmax(axis=1).tolist() if classify else None
     if as_json:
-        found = {"predictions": classes} if classes is not None else {"outputs": outputs.tolist()}
+        found = {"predictions": classes} if classes is not None else {"outputs": json_values(outputs)}
         typer.echo(json.dumps({"version": answer.version, **found, "shape": outputs.shape}))
         return
     shown = classes if classes is not None else np.array2string(outputs, precision=6, threshold=64)

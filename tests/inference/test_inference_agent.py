@@ -418,18 +418,22 @@ def test_fedge_infer_prints_values_for_a_model_whose_manifest_says_so(
     path, manifest = variants["fp32"]
     _publish(publisher, path, manifest.with_(extra={**manifest.extra, "outputs": "values"}), "v8")
     inputs = tmp_path / "x.npy"
-    np.save(inputs, digits_test[0][:3])
+    rows = digits_test[0][:4].copy()
+    rows[3] = np.nan  # NaN in, NaN out: warned, and null in the JSON (bare NaN is not JSON)
+    np.save(inputs, rows)
     config = mqtt()
     question = ["infer", "--broker", config.broker_url, "--fleet", config.fleet, "--node", "dev-1"]
     with _agent(mqtt, tmp_path) as agent:
         wait_until(lambda: agent.server.serving_version == "v8")
         asked = CliRunner().invoke(app, [*question, "--input", str(inputs), "--json"])
     assert asked.exit_code == 0, asked.output
-    answer = json.loads(asked.stdout)
-    assert "predictions" not in answer and answer["shape"] == [3, 10]
+    assert "warning: 1 of 4 rows have NaN or infinite outputs" in asked.output
+    answer = json.loads(asked.stdout.strip().splitlines()[-1])
+    assert "predictions" not in answer and answer["shape"] == [4, 10]
+    assert answer["outputs"][3] == [None] * 10
     expected = ModelServer()
     expected.load(path)
-    np.testing.assert_allclose(answer["outputs"], expected.predict(digits_test[0][:3]), atol=1e-5)
+    np.testing.assert_allclose(answer["outputs"][:3], expected.predict(digits_test[0][:3]), atol=1e-5)
 
 
 def _listed(where: list[str], *texts: str) -> bool:
