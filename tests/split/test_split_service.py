@@ -103,7 +103,7 @@ def test_too_few_agents_is_one_line_saying_how_many_came(tmp_path):
             "[run]\nmin_nodes = 2\nwait_for_nodes_s = 1.0\n"
         )
         result = _coordinator(path)
-    assert result.returncode == 2
+    assert result.returncode == 1  # a run that failed, as the coordinator's (a config error is 2)
     assert result.stderr.strip().splitlines()[-1] == (
         "error: 0 of the 2 nodes the run needs (min_nodes) came online within 1 s"
     )
