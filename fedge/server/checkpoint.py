@@ -20,6 +20,7 @@ from flwr.app import Array, ArrayRecord
 
 from fedge.atomic import write_bytes_atomic
 from fedge.config import ConfigError
+from fedge.protocol.records import as_number
 from fedge.reporting.history import RoundMetrics, RunHistory
 from fedge.server.runner import ResumePoint
 
@@ -99,12 +100,12 @@ def _check_resumable(completed: object, arrays: ArrayRecord, history: RunHistory
     if not _is_int(completed) or not 1 <= completed < 10**9:  # type: ignore[operator]
         raise _Unusable(f"its round is {completed!r}, not a number of completed rounds")
     initial = history.initial_accuracy
-    if not isinstance(history.config, dict) or not (initial is None or _is_number(initial)):
+    if not isinstance(history.config, dict) or not (initial is None or as_number(initial) is not None):
         raise _Unusable("its history's config or initial accuracy is not what a run writes")
     for row in history.rounds:
         counts = (row.round, row.clients_sampled, row.clients_replied, row.bytes_down, row.bytes_up)
         figures = (row.accuracy, row.loss, row.wall_s)
-        if not all(map(_is_int, counts)) or not all(map(_is_number, figures)):
+        if not all(map(_is_int, counts)) or any(as_number(figure) is None for figure in figures):
             raise _Unusable(f"its history's round {row.round!r} holds a figure that is not a number")
     if history.rounds and history.rounds[-1].round != completed:
         raise _Unusable(f"its round is {completed} but its history ends at round {history.rounds[-1].round}")
@@ -116,10 +117,6 @@ def _check_resumable(completed: object, arrays: ArrayRecord, history: RunHistory
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def set_aside_checkpoint(state_dir: str | Path, name: str = CHECKPOINT_FILE) -> str | None:

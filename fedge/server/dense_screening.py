@@ -35,6 +35,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.fleet import node_label
+from fedge.protocol.records import as_number
 from fedge.server.counted import counted_from_state, counted_state
 from fedge.server.optimizers import statistics
 from fedge.server.screening import (
@@ -225,7 +226,10 @@ def conform_replies(replies: list[Message]) -> None:
     metrics_key = next(k for k, r in first.items() if isinstance(r, MetricRecord))
     metric_records = [_first_of(reply.content, MetricRecord) for reply in replies]
     shared = set.intersection(
-        *({name for name, value in metrics.items() if _is_number(value)} for metrics in metric_records)
+        *(
+            {name for name, value in metrics.items() if as_number(value) is not None}
+            for metrics in metric_records
+        )
     )
     for reply, metrics in zip(replies, metric_records, strict=True):
         content = reply.content
@@ -248,7 +252,3 @@ def conform_replies(replies: list[Message]) -> None:
 
 def _first_of(content: RecordDict, kind: type) -> Any:
     return next(r for r in content.values() if isinstance(r, kind))
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

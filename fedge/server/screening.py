@@ -165,19 +165,16 @@ def screen_reply(
             if schema is None:
                 raise Rejected("undecodable", "payload bound to a schema, but this round has none")
             payload = unbind(payload, schema, max_elements=max(size, 1))  # the schema's codec, or fp32's
-        elif schema is not None:
+        spec = inspect_payload(payload, max_elements=max(size, 1)).spec if schema is not None else None
+        if schema is not None and spec not in (schema.spec, _FALLBACK_SPEC):
             # A payload names its own codec: one dense where top-k was instructed is "sent" every
             # coordinate, and so outvotes the others on nearly all of them under a sparse robust rule.
-            spec = inspect_payload(payload, max_elements=max(size, 1)).spec
-            if spec not in (schema.spec, _FALLBACK_SPEC):
-                raise Rejected(
-                    "wrong_codec", f"payload of codec {spec!r}, the instruction's is {schema.spec!r}"
-                )
+            raise Rejected("wrong_codec", f"payload of codec {spec!r}, the instruction's is {schema.spec!r}")
         decoded = decode(payload, max_elements=max(size, 1))
         if (
             schema is not None
-            and schema.spec != _FALLBACK_SPEC
-            and _claims_fallback(payload, decoded, schema)
+            and spec == _FALLBACK_SPEC != schema.spec
+            and not _may_fall_back(decoded, schema)
         ):
             raise Rejected(
                 "wrong_codec",
@@ -209,19 +206,16 @@ def screen_reply(
     return ScreenedReply(node_id, payload, weight, norm, content)
 
 
-def _claims_fallback(payload: bytes, decoded: Mapping[str, np.ndarray], schema: Schema) -> bool:
-    """Whether ``payload`` is the plain-fp32 fallback although the instructed codec, on the very values it
-    carries, would not have outgrown their dense size (so a client's codec could not have chosen it).
+def _may_fall_back(decoded: Mapping[str, np.ndarray], schema: Schema) -> bool:
+    """Whether the instructed codec, on the very values a plain-fp32 payload carries, would have outgrown
+    their dense size, so that a client's codec could have chosen the fp32 fallback.
 
     A client's codec falls back to fp32 only when its own payload comes out bigger than the values at 4
     bytes each (tiny models, dense-heavy codecs); the check re-encodes, so it costs an encode, only for
     such payloads (an honest fleet's are rare, and small)."""
-    elements = sum(array.size for array in decoded.values())
-    if inspect_payload(payload, max_elements=max(elements, 1)).spec != _FALLBACK_SPEC:
-        return False
     dtypes = {name: dtype for name, dtype, _ in schema.tensors}
     instructed = _codec(schema.spec).encode(decoded, dtypes=dtypes)
-    return len(instructed) < 0.9 * dense_nbytes(decoded)  # margin: sampled positions vary in size
+    return len(instructed) >= 0.9 * dense_nbytes(decoded)  # margin: sampled positions vary in size
 
 
 @functools.lru_cache(maxsize=16)
