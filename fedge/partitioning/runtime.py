@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -264,7 +264,7 @@ class LocalRunner:
         if errors:
             raise errors[0]
         self.stats = RunStats(link_bytes, time.perf_counter() - start)
-        fixed_first = getattr(self.executors[-1], "fixed_first", set())
+        fixed_first = getattr(self.executors[-1], "fixed_first", frozenset())
         return _joined([results[i] for i in range(len(chunks))], chunks, self.crossing[-1], fixed_first)
 
 
@@ -272,7 +272,7 @@ def _joined(
     results: list[dict[str, np.ndarray]],
     chunks: list[dict[str, np.ndarray]],
     names: Sequence[str],
-    fixed_first: set[str] = frozenset(),  # type: ignore[assignment]
+    fixed_first: Collection[str] = frozenset(),
 ) -> dict[str, np.ndarray]:
     """The micro-batches' outputs as one batch's. An output without the batch first (a scalar, a statistic
     over the batch, a sequence-first tensor) cannot be joined: a whole batch's is returned as it is, and

@@ -123,11 +123,11 @@ class ClockGrid(RunGrid):
         # Nodes the trace never has available (a FedScale entry without intervals) never connect: they are
         # not offered. The asynchronous runner refills a freed slot at once, so it picked such a node again
         # and again, each loss at the same instant, and the clock never reached the real replies.
-        self._absent = {
-            node
-            for node, client in self._client_of.items()
-            if trace is not None and math.isinf(trace.next_available(client, 0.0))
-        }
+        self._absent = (
+            set()
+            if trace is None
+            else {n for n, client in self._client_of.items() if math.isinf(trace.next_available(client, 0.0))}
+        )
         if self._absent and len(self._absent) == len(self._client_of):
             raise ConfigError("availability: the trace has no client ever available")
         self._pushed = 0
