@@ -23,6 +23,7 @@ from fedge.server.budget import UploadBudget
 from fedge.server.downlink import FULL_MODEL_CODECS
 from fedge.server.model_export import check_export_settings, with_fp32
 from fedge.server.optimizers import OPTIMIZERS
+from fedge.server.screening import TRUSTED_MAX_NORM_RATIO
 
 __all__ = ["STRATEGIES", "AppConfig"]
 
@@ -123,9 +124,10 @@ class AppConfig:
     max_norm_ratio : float, optional
         Replies whose update norm exceeds this multiple of the round's median are rejected (0: off).
         Unset, it is 5 for the strategies meant for untrusted clients (``median``, ``trimmed-mean``,
-        ``sparse-*``) and off for ``fedavg`` and ``fedbuff``: on non-IID clients the honest updates of the
-        ones the model fits worst are the largest, and a norm test rejects exactly them, round after round
-        (on the heterogeneity bench's fleet, 1.8 replies a round, and 1.4 points of final accuracy).
+        ``sparse-*``) and 10,000 for ``fedavg`` and ``fedbuff``, a bound on absurd updates only: on
+        non-IID clients the honest updates of the ones the model fits worst are the largest, and a tight
+        test rejects exactly them, round after round (at 5, on the heterogeneity bench's fleet, 1.8 replies
+        a round, and 1.4 points of final accuracy).
     max_weight_ratio : float, optional
         Replies whose ``num-examples`` exceeds this multiple of the round's median are rejected
         (``weight_outlier``; 0: off). Unset, it is 100 for uncompressed replies and 10 for compressed ones.
@@ -230,7 +232,7 @@ class AppConfig:
         preset = PRESETS.get(self.compress, {})
         if self.max_norm_ratio is None:
             screened = self.strategy in UNTRUSTED_CLIENT_STRATEGIES
-            object.__setattr__(self, "max_norm_ratio", 5.0 if screened else 0.0)
+            object.__setattr__(self, "max_norm_ratio", 5.0 if screened else TRUSTED_MAX_NORM_RATIO)
         if self.server_lr is None and self.server_optimizer == "adam":
             object.__setattr__(self, "server_lr", ADAM_SERVER_LR)
         for key, default in _PRESET_DEFAULTS.items():  # unset: the preset's value, else the default

@@ -50,6 +50,7 @@ from fedge.protocol.records import UPDATE_KEY
 __all__ = [
     "DENSE_MAX_WEIGHT_RATIO",
     "REJECTION_REASONS",
+    "TRUSTED_MAX_NORM_RATIO",
     "DenseReply",
     "Rejected",
     "ReplyScreen",
@@ -79,6 +80,13 @@ DENSE_MAX_WEIGHT_RATIO = 100.0
 """Uncompressed replies: a weight (``num-examples``) over this multiple of the round's median is rejected.
 Far above the compressed path's 10: FedAvg trusts its clients, and a fleet's honest partitions may differ
 tens of times in size; a claim of 10^6 times the median is no partition."""
+
+TRUSTED_MAX_NORM_RATIO = 10_000.0
+"""The norm test of the strategies that trust their clients (``fedavg``, ``fedbuff``): only absurd updates.
+On non-IID fleets the clients the model fits worst send honest updates tens to hundreds of times the round's
+median late in training, so a tight test rejects exactly them; a node sending 1e15 (or float16's largest
+value in every weight) is millions of times the median, and without any test its finite update spoiled every
+round's aggregate."""
 
 
 @dataclass(frozen=True)
@@ -245,10 +253,10 @@ def screen_dense_reply(
     """Check one uncompressed reply against the round's global ``model``; raise :class:`Rejected` naming
     what is wrong: not exactly one ArrayRecord (``no_update``), no usable weight, unreadable arrays,
     other tensor names or shapes than the model's or values that are not real numbers (``wrong_tensors``),
-    NaN or infinity (``non_finite``). ``measure_norm``: also measure the update's norm (in float64, a pass
-    over the model; without it :attr:`DenseReply.norm` is 0). ``check_finite=False`` leaves the values
-    unchecked (a caller that checks the aggregate instead, and each reply only when that is not finite).
-    The norm leaves out ``statistics``, as :func:`screen_reply`'s does."""
+    NaN or infinity (``non_finite``). ``measure_norm``: also measure the update's norm (a pass over the
+    model, see :func:`_squared_step`; without it :attr:`DenseReply.norm` is 0). ``check_finite=False``
+    leaves the values unchecked (a caller that checks the aggregate instead, and each reply only when that
+    is not finite). The norm leaves out ``statistics``, as :func:`screen_reply`'s does."""
     records = [(key, record) for key, record in content.items() if isinstance(record, ArrayRecord)]
     if len(records) != 1:
         raise Rejected("no_update", f"expected one ArrayRecord of model weights, found {len(records)}")
@@ -277,12 +285,21 @@ def screen_dense_reply(
         if check_finite and values.dtype.kind == "f" and not np.isfinite(values).all():
             raise Rejected("non_finite", f"tensor {name!r} holds NaN or infinity")
         if measure_norm and values.dtype.kind == "f" and name not in statistics:
-            step = values.astype(np.float64).reshape(-1) - reference.astype(np.float64).reshape(-1)
-            squares += float(np.dot(step, step))
+            squares += _squared_step(values, reference)
     norm = math.sqrt(squares)
     if not math.isfinite(norm):
         raise Rejected("non_finite", "the update's norm overflows")
     return DenseReply(key, weight, norm)
+
+
+def _squared_step(values: np.ndarray, reference: np.ndarray) -> float:
+    """``‖values − reference‖²`` in float32, or float64 where either tensor is: a sixth of float64's cost for
+    a float32 model, and close enough for a ratio test. An update too large for float32 (a norm over 1e19)
+    comes out infinite and is rejected as ``non_finite``, as a compressed reply's is."""
+    dtype = np.result_type(values.dtype, reference.dtype, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        step = values.reshape(-1).astype(dtype, copy=False) - reference.reshape(-1).astype(dtype, copy=False)
+        return float(np.dot(step, step))
 
 
 def _weight(content: RecordDict, key: str) -> float:

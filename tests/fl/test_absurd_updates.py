@@ -1,0 +1,60 @@
+"""The strategies that trust their clients still refuse absurd updates, at their default settings.
+
+With no norm test at all, one node replying 1e15 in every weight, every round, made each round's aggregate
+compute NaN: every round was rolled back, and the run failed after ``max_failed_rounds`` with nothing
+trained, although every other node was honest. The default bound for ``fedavg`` and ``fedbuff``
+(:data:`fedge.server.screening.TRUSTED_MAX_NORM_RATIO`) rejects such a reply and the round goes on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fl_helpers import reference_app, run
+from flwr.app import Array, ArrayRecord, Context, Message, MessageType
+
+from fedge.app.config import AppConfig
+from fedge.app.server_app import build_strategy
+from fedge.client import CompressionMod
+from fedge.protocol.records import record_to_arrays
+from fedge.server.run_failures import RunFailed
+from fedge.server.screening import TRUSTED_MAX_NORM_RATIO
+from fedge.simulation.local_grid import LocalGrid
+
+NODES = 5
+ROUNDS = 3
+
+
+def _huge(msg: Message, context: Context, call_next) -> Message:
+    """Partition 0 replies 1e15 in every floating weight, every round (finite, and so is its norm)."""
+    reply = call_next(msg, context)
+    if reply.has_error() or msg.metadata.message_type != MessageType.TRAIN:
+        return reply
+    if context.node_config["partition-id"] != 0:
+        return reply
+    arrays, _ = record_to_arrays(reply.content["arrays"])
+    huge = {n: np.full_like(v, 1e15) if v.dtype.kind == "f" else v for n, v in arrays.items()}
+    reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in huge.items()})
+    return reply
+
+
+@pytest.mark.parametrize("settings", [{}, {"codec": "topk:0.1+int8"}], ids=["dense", "compressed"])
+def test_default_fedavg_rejects_a_node_sending_absurd_weights_and_trains_on(settings):
+    config = AppConfig(rounds=ROUNDS, local_epochs=1, min_nodes=NODES, **settings)
+    assert config.max_norm_ratio == TRUSTED_MAX_NORM_RATIO
+    # the attacker's mod sits inside the compression mod, where a device's own training code would be
+    mods = [CompressionMod(), _huge] if config.codec else [_huge]
+    history = run(LocalGrid(reference_app(mods), NODES), build_strategy(config), rounds=ROUNDS)
+    rounds = history.rounds
+    assert [r.extra.get("rolled_back", 0) for r in rounds] == [0] * ROUNDS
+    assert [r.extra.get("rejected_norm_outlier", 0) for r in rounds] == [1] * ROUNDS
+    assert [r.extra.get("accepted") for r in rounds] == [NODES - 1] * ROUNDS
+    assert rounds[-1].accuracy > history.initial_accuracy + 0.2
+
+
+def test_without_the_bound_the_same_node_spoils_every_round():
+    """The control: the bound switched off (``max_norm_ratio = 0``), the same node's replies are
+    aggregated, every round is rolled back, and the run fails having trained nothing."""
+    config = AppConfig(rounds=2, local_epochs=1, min_nodes=NODES, max_norm_ratio=0.0)
+    with pytest.raises(RunFailed, match="aggregated model's loss was not finite"):
+        run(LocalGrid(reference_app([_huge]), NODES), build_strategy(config), rounds=2)
