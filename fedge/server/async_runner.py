@@ -10,7 +10,8 @@ processed in the order the Grid hands them over (``pull_messages``), one at a ti
 are refilled with clients sent the new model. A client lost on the way (an error reply, or no reply
 within ``timeout`` seconds while nothing else arrives) frees its slot at once, and the loss is refilled
 with the current model. Refilling at aggregations, not at every arrival, means every new client trains on
-the newest model, and with ``K = C`` the loop is synchronous FedAvg (up to float rounding). A client
+the newest model, and with ``K = C`` the loop is synchronous FedAvg (up to float rounding; a buffer is
+summed in node order, so the order its replies arrived in changes nothing). A client
 whose reply waits in the buffer is not sent work again until the buffer is aggregated (its next
 instruction says whether its update counted, which error feedback needs).
 
@@ -187,6 +188,10 @@ class FedBuffStrategy(Strategy):
             dispatch = self._arrived.pop(message_id, None) or self._in_flight.pop(message_id, None)
             if dispatch is not None and not reply.has_error():
                 sent[dispatch.node] = (reply, dispatch)
+        # Summed in node order, not arrival order: in real time the order of a buffer's replies is the
+        # timing's, and float sums in another order part a run from its own repetition (a resumed run's
+        # loss had differed by 0.35 % two aggregations later, one time in ten).
+        sent = dict(sorted(sent.items()))
         counted = self._add_compressed(label, sent) if self.channel else self._add_dense(label, sent)
         self.state.flush()
         self._resting.clear()

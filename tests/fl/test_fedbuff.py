@@ -3,6 +3,7 @@ simulated fleet (fast clients count more often, reproducible, a client cut off l
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 from collections import Counter
@@ -12,10 +13,12 @@ import pytest
 
 from fedge.app.client_app import app as client_app
 from fedge.app.config import AppConfig
-from fedge.app.server_app import run_federated
+from fedge.app.server_app import build_strategy, run_federated
 from fedge.config import ConfigError
 from fedge.devices.fleet import FleetConfig, assign_fleet
 from fedge.devices.traces import AvailabilityTrace
+from fedge.flower.compat import set_task_identity
+from fedge.flower.grid import WrappingGrid
 from fedge.server import FedBuff, ServerOptimizer
 from fedge.simulation.clock_grid import ClockGrid, Schedule
 from fedge.simulation.config import SimulationConfig
@@ -119,6 +122,44 @@ def test_with_k_equal_to_c_equal_to_the_clients_a_run_is_fedavg():
     # the clients' train figures, averaged by examples as Flower's FedAvg does (FedBuff recorded none)
     train_loss = {name: [r.extra["train_loss"] for r in rounds] for name, rounds in runs.items()}
     np.testing.assert_allclose(train_loss["fedbuff"], train_loss["fedavg"], rtol=1e-6)
+
+
+class _WholeBuffers(WrappingGrid):
+    """Hands over a round's replies only once all of its calls have finished, all at once, in the order
+    ``arrange`` puts them: what real time may do to the replies of one buffer."""
+
+    def __init__(self, inner, arrange) -> None:
+        super().__init__(inner)
+        self._arrange, self._held = arrange, {}
+
+    def pull_messages(self, message_ids):
+        message_ids = list(message_ids)
+        self._held.update({r.metadata.reply_to_message_id: r for r in self._inner.pull_messages(message_ids)})
+        if any(i not in self._held for i in message_ids):
+            return []
+        return self._arrange([self._held.pop(i) for i in message_ids])
+
+
+def test_the_order_a_buffers_replies_arrive_in_changes_no_bit_of_the_model():
+    """The replies of one buffer, handed over in node order or reversed, give the same model to the last
+    bit: in real time their order is the timing's, and a run resumed from its checkpoint had parted from
+    the uninterrupted one (0.35 % of the loss, one run in ten)."""
+    app = AppConfig(
+        rounds=2, local_epochs=1, seed=0, strategy="fedbuff", buffer_size=4, concurrency=4, min_nodes=4
+    )
+    finals = []
+    for reverse in (False, True):
+        set_task_identity(run_id=1)
+        strategy = build_strategy(app)
+        order = functools.partial(sorted, key=lambda r: r.metadata.src_node_id, reverse=reverse)
+        grid = LocalGrid(client_app, 4, workers=1)
+        try:
+            run_federated(_WholeBuffers(grid, order), app, strategy=strategy)
+        finally:
+            grid.shutdown()
+        finals.append(strategy.state.model)
+    assert finals[0].keys() == finals[1].keys()
+    assert all(np.array_equal(finals[0][name], finals[1][name]) for name in finals[0])
 
 
 def test_with_fewer_clients_than_k_the_buffer_is_aggregated_once_every_client_is_in_it():
