@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -126,7 +127,7 @@ def _print_status(current: dict) -> None:
     typer.echo(f"round         {current['round']}/{current['rounds']}")
     typer.echo(f"last accuracy {'-' if accuracy is None else f'{100 * accuracy:.2f}%'}")
     typer.echo(f"online nodes  {len(current['online_nodes'])}: {' '.join(current['online_nodes'])}")
-    age = time.time() - current["updated_at"]
+    age = time.time() - _moment(current["updated_at"], "updated_at")
     typer.echo(f"state         {_state_line(current, age)}")
     typer.echo(f"updated       {age:.0f} s ago (pid {current['pid']})")
     for name, profile in current.get("profiles", {}).items():
@@ -153,14 +154,21 @@ def _state_line(current: dict, age: float) -> str:
         short = current.get("waiting_for_nodes")
         if isinstance(short, dict):  # the fleet fell below what the run needs
             since = short.get("since")
-            waited = f" for {time.time() - since:.0f} s" if isinstance(since, int | float) else ""
+            waited = f" for {time.time() - _moment(since, 'since'):.0f} s" if since is not None else ""
             online, needed = short.get("online", "?"), short.get("needed", "?")
             return f"waiting for nodes{waited}: {online} of {needed} online"
         return "running"
     ended = current.get("ended_at")
-    when = f" {time.time() - ended:.0f} s ago" if isinstance(ended, int | float) else ""
+    when = f" {time.time() - _moment(ended, 'ended_at'):.0f} s ago" if ended is not None else ""
     error = f": {current['error']}" if current.get("error") else ""
     return f"{state}{when}{error}"
+
+
+def _moment(value: object, key: str) -> float:
+    """A status's Unix time ``key``; ValueError for anything else (a damaged file had shown "-inf s ago")."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{key} is {value!r}, not a time")
+    return float(value)
 
 
 def _device_line(device: dict) -> str:

@@ -273,6 +273,25 @@ def test_status_of_a_file_that_is_not_a_coordinators_is_one_line(tmp_path):
     assert result.exit_code == 2 and "is not a coordinator's status (KeyError: 'rounds')" in result.output
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("updated_at", "-Infinity"), ("updated_at", '"noon"'), ("ended_at", "NaN")]
+)
+def test_status_with_a_damaged_time_is_refused_in_one_line(tmp_path, field, value):
+    """A damaged status.json had been shown as it was ("updated -inf s ago")."""
+    status = {"round": 1, "rounds": 3, "online_nodes": [], "updated_at": 1.0, "pid": 1, "state": "done"}
+    text = json.dumps(status).replace(f'"{field}": 1.0', f'"{field}": {value}')
+    if field not in status:
+        text = text[:-1] + f', "{field}": {value}}}'
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "status.json").write_text(text)
+    path = tmp_path / "c.toml"
+    path.write_text(f'state_dir = "{tmp_path}/s"\n')
+    result = runner.invoke(app, ["status", "--config", str(path)])
+    assert result.exit_code == 2, result.output
+    assert f"is not a coordinator's status (ValueError: {field} is" in result.output
+    assert "inf s ago" not in result.output and "nan s ago" not in result.output
+
+
 def test_the_summary_table_shows_rejected_replies_beside_the_replies():
     from rich.console import Console
 
