@@ -173,6 +173,29 @@ def test_verify_tolerance_is_enforced(cnn, digits_test, tmp_path):
             cnn.classifier[-1].bias -= 1e-2
 
 
+def test_a_model_with_large_outputs_verifies_within_float32s_precision_of_them(tmp_path):
+    """A regressor of values near 5,000 never verified: float32 holds them to 0.0005, above 1e-4 alone."""
+    from fedge.server.export import _output_diff
+
+    # One float32 step at 5,000 apart (what ORT's and torch's sums in another order give) verifies ...
+    expected = np.array([[4999.0], [5000.0]], np.float32)
+    assert _output_diff(8, 0, np.nextafter(expected, np.float32(np.inf)), expected, ExportConfig()) > 1e-4
+    # ... and so does a whole export of such a regressor (here ORT and torch part by 2.4e-4)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).eval()
+    with torch.no_grad():
+        model[-1].bias.fill_(5000.0)
+        model[-1].weight.mul_(3000.0)
+    rows = torch.randn(8, 8)
+    path = tmp_path / "model.onnx"
+    export_onnx(model, rows[:2], path)
+    assert verify_onnx(model, path.read_bytes(), rows) < 1e-2
+    with torch.no_grad():
+        model[-1].bias += 1.0  # 2e-4 of the output: a real difference, far above float32's rounding
+    with pytest.raises(ExportError, match=r"max abs diff 1 > tolerance 0.0001 \+ 1e-05 x \|output\|"):
+        verify_onnx(model, path.read_bytes(), rows)
+
+
 def test_variants_have_manifests_and_int8_is_smaller_and_accurate(variants):
     fp32 = variants["fp32"][1]
     for name, (path, manifest) in variants.items():
