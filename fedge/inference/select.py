@@ -300,8 +300,10 @@ def _latency_in_turns(
 def _accuracy(session, features: Feeds, labels: np.ndarray, batch: int = 256) -> float | None:
     """Classification accuracy on ``(features, labels)``; None for a model that is not a classifier (its
     first output is not class scores, or the labels are not class numbers): a regressor's argmax would
-    score 0 whatever its quality."""
-    if np.asarray(labels).dtype.kind not in "iu":
+    score 0 whatever its quality; integer labels of more than one column are counts or multi-label targets,
+    not one class per row)."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu" or labels.ndim != 1:
         return None
     correct = 0
     for i in range(0, len(labels), batch):

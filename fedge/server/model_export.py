@@ -420,5 +420,7 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
 
 
 def _output_kind(labels: Any) -> str:
-    """``classes`` for a task whose labels are class numbers, ``values`` for one whose labels are not."""
-    return "classes" if _numpy(labels).dtype.kind in "iub" else "values"
+    """``classes`` for a task whose labels are class numbers (one per row), ``values`` for one whose labels
+    are not (floats, or integer counts and multi-label targets of several columns)."""
+    values = _numpy(labels)
+    return "classes" if values.dtype.kind in "iub" and values.ndim == 1 else "values"

@@ -230,6 +230,23 @@ def test_a_regressor_of_two_targets_whose_manifest_says_values_gets_them(tmp_pat
     assert "predictions" not in report
 
 
+def test_integer_labels_of_several_columns_are_values_not_classes(tmp_path):
+    """A model of three counts with int64 labels (N, 3) failed every export: its accuracy was measured as a
+    classifier's, with a (N,) argmax against (N, 3) labels (numpy: "operands could not be broadcast")."""
+    import torch
+
+    from fedge.server.export import export_variants
+    from fedge.server.model_export import _output_kind
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).eval()
+    rows = np.random.default_rng(0).standard_normal((20, 6)).astype(np.float32)
+    counts = np.random.default_rng(1).integers(0, 5, (20, 3))
+    exported = export_variants(model, rows[:2], tmp_path, labelled=(rows, counts), variants=["fp32"])
+    assert exported["fp32"][1].accuracy is None
+    assert _output_kind(counts) == "values" and _output_kind(counts[:, 0]) == "classes"
+
+
 def test_raw_gives_a_classifiers_scores(variants, digits_test, tmp_path):
     np.save(tmp_path / "x.npy", digits_test[0][:3])
     args = ["predict", "--model", str(variants["fp32"][0]), "--input", str(tmp_path / "x.npy"), "--raw"]
