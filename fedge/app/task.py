@@ -31,7 +31,13 @@ from torch import nn
 
 from fedge.app.digits import digits_split, dirichlet_partitions
 from fedge.app.features import forward, rows, to_numpy
-from fedge.app.task_checks import TaskContractError, checked_data, checked_evaluation, task_errors
+from fedge.app.task_checks import (
+    TaskContractError,
+    check_class_labels,
+    checked_data,
+    checked_evaluation,
+    task_errors,
+)
 from fedge.importing import import_attribute
 
 if TYPE_CHECKING:
@@ -167,8 +173,10 @@ class Task(ABC):
         """
 
     def train(self, model: nn.Module, data: TensorData, config: TrainConfig) -> dict[str, float]:
-        """Train ``model`` in place on ``data``; return ``train_loss`` and ``num-examples``."""
+        """Train ``model`` in place on ``data`` (cross-entropy on integer class labels); return ``train_loss``
+        and ``num-examples``."""
         features, labels = data
+        check_class_labels(labels, "train")
         generator = torch.Generator().manual_seed(config.seed)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum)
         loss_fn = nn.CrossEntropyLoss()
@@ -197,8 +205,9 @@ class Task(ABC):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, data: TensorData) -> dict[str, float]:
-        """Return ``loss``, ``accuracy`` and ``num-examples`` of ``model`` on ``data``."""
+        """Return ``loss``, ``accuracy`` and ``num-examples`` of ``model`` on ``data`` (class labels)."""
         features, labels = data
+        check_class_labels(labels, "evaluate")
         model.eval()
         logits = forward(model, features)
         loss = nn.functional.cross_entropy(logits, labels).item() if len(labels) else 0.0

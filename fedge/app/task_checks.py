@@ -14,7 +14,7 @@ from typing import Any
 
 from fedge.config import ConfigError, error_line
 
-__all__ = ["TaskContractError", "checked_data", "checked_evaluation", "task_errors"]
+__all__ = ["TaskContractError", "check_class_labels", "checked_data", "checked_evaluation", "task_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -115,4 +115,16 @@ def check_model_dtypes(model: Any, task: str) -> None:
         found = ", ".join(f"{dtype} (e.g. {name!r})" for dtype, name in unsupported.items())
         raise TaskContractError(
             f"task {task}: model() holds tensors numpy cannot carry: {found}; build it in float32"
+        )
+
+
+def check_class_labels(labels: Any, method: str) -> None:
+    """The default ``Task.train`` and ``Task.evaluate`` score classes: float labels are refused in one line.
+    Cross-entropy reads them as class probabilities, so a regressor's (N, 1) float targets gave a loss and a
+    gradient of 0 (a softmax over one output is 1): a whole run "trained" to nothing, with no error."""
+    floating = getattr(labels, "is_floating_point", None)
+    if callable(floating) and (floating() or labels.is_complex()):
+        raise TaskContractError(
+            f"the default Task.{method}() takes integer class labels, got {labels.dtype}: a task of other "
+            "targets (regression, soft labels) overrides train() and evaluate()"
         )

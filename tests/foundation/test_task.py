@@ -213,3 +213,21 @@ def test_a_batchnorm_model_trains_on_a_partition_whose_last_batch_would_be_one_r
     result = DigitsTask().train(model, (features, labels), TrainConfig(2, 0.05, 16, seed=0))
     assert result["num-examples"] == 17 and np.isfinite(result["train_loss"])
     assert model[1].num_batches_tracked.item() == 2  # one batch of 17 an epoch
+
+
+@pytest.mark.parametrize("targets", [torch.zeros(6, 1), torch.zeros(6), torch.full((6, 3), 1 / 3)])
+def test_the_default_train_and_evaluate_refuse_float_labels_in_one_line(targets):
+    """A regressor's (N, 1) float targets under the default cross-entropy train() gave a loss and a
+    gradient of 0 (a softmax over one output is 1): a whole run trained nothing, said nothing, exited 0."""
+    from fedge.app.task_checks import TaskContractError
+
+    task = DigitsTask()
+    model = torch.nn.Linear(4, targets.shape[1] if targets.ndim > 1 else 3)
+    data = (torch.randn(6, 4), targets)
+    with pytest.raises(TaskContractError, match=r"default Task.train\(\) takes integer class labels"):
+        task.train(model, data, TrainConfig(epochs=1, learning_rate=0.1, batch_size=4, seed=0))
+    with pytest.raises(TaskContractError, match=r"default Task.evaluate\(\) takes integer class labels"):
+        task.evaluate(model, data)
+    classes = torch.tensor([0, 1, 2, 0, 1, 2])  # integer labels train as before
+    trained = task.train(torch.nn.Linear(4, 3), (data[0], classes), TrainConfig(1, 0.1, 4, seed=0))
+    assert trained["num-examples"] == 6
