@@ -140,13 +140,15 @@ def export_onnx(
     # The exported graph takes float32 inputs: a float64 layer meets them in a dtype error, and float16
     # arithmetic (about 1e-3 relative) never verifies within the 1e-4 tolerance. Either way, one reason.
     other = (torch.float64, torch.bfloat16, torch.float16)
-    wide = sorted({str(t.dtype) for t in model.state_dict().values() if t.dtype in other})
+    wide = {name: str(t.dtype) for name, t in model.state_dict().items() if t.dtype in other}
     if wide:
+        named = ", ".join(f"{name} ({dtype})" for name, dtype in list(wide.items())[:3])
+        more = f" and {len(wide) - 3} more" if len(wide) > 3 else ""
         raise ExportError(
             "export",
-            f"the model's weights are {', '.join(wide)}: fedge exports float32 models (return "
-            "model.float() from the task's model(), or cast it before training ends; the int8 variants "
-            "are the small ones)",
+            f"the model holds tensors that are not float32: {named}{more}: fedge exports float32 models "
+            "(return model.float() from the task's model(), or cast it before training ends; the int8 "
+            "variants are the small ones)",
         )
     keyword = is_keyword(example_input)
     example = _named(example_input, config)

@@ -213,8 +213,18 @@ def test_variants_have_manifests_and_int8_is_smaller_and_accurate(variants):
 def test_a_model_of_other_float_weights_is_refused_saying_why(tmp_path, dtype):
     """float16 weights failed every export with 'max abs diff 0.00112 > tolerance 0.0001' and no reason."""
     model = torch.nn.Linear(4, 2).to(dtype)
-    with pytest.raises(ExportError, match=rf"weights are {dtype}: fedge exports float32 models"):
+    with pytest.raises(
+        ExportError, match=rf"not float32: weight \({dtype}\), bias \({dtype}\): fedge exports"
+    ):
         export_onnx(model, np.zeros((2, 4), np.float32), tmp_path / "m.onnx")
+
+
+def test_the_refusal_names_the_tensors_that_are_not_float32():
+    """float32 weights beside a float64 buffer were refused as "the model's weights are torch.float64"."""
+    model = torch.nn.Linear(4, 2)
+    model.register_buffer("scale", torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ExportError, match=r"not float32: scale \(torch.float64\): fedge exports"):
+        export_onnx(model, np.zeros((2, 4), np.float32), "unused.onnx")
 
 
 def test_int8_variants_of_a_model_of_several_outputs_carry_no_accuracy(tmp_path):
