@@ -180,7 +180,7 @@ def run_rounds(
         rolled_back = False
         if math.isfinite(result["loss"]):
             kept = (arrays, result)
-        elif server_round > 0 and kept is not None and isinstance(strategy, _RoundOffset):
+        elif server_round > 0 and kept is not None and callable(getattr(strategy, "keep", None)):
             # The aggregate computes NaN (one client's finite but huge update, a codec that pushed a
             # variance below zero): from it, every honest update would be NaN too. Its round is undone.
             log.warning(

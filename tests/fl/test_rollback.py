@@ -62,3 +62,34 @@ def test_a_compressing_strategy_trains_from_the_model_the_loop_hands_in():
     assert len(messages) == 2
     # the base its next aggregate steps from (what it would send as compressed downloads, too)
     assert np.array_equal(strategy._model["w"], kept["w"])
+
+
+def test_fedbuff_rolls_back_an_aggregate_that_computes_nan_and_trains_on():
+    """FedBuff kept a NaN model: from it the honest nodes' updates were NaN, rejected as theirs, while the
+    run reported success at chance (attack sweep). It now drops the version, as the round loop does, and
+    restores its server optimizer's momentum (which held the huge step)."""
+    from fedge.app.config import AppConfig
+    from fedge.app.server_app import build_strategy, run_federated
+    from fedge.flower.compat import set_task_identity
+
+    app = AppConfig(
+        rounds=4,
+        local_epochs=1,
+        seed=0,
+        strategy="fedbuff",
+        buffer_size=NODES,
+        concurrency=NODES,
+        server_optimizer="avgm",
+        min_nodes=NODES,
+        max_norm_ratio=0.0,  # no norm test: the aggregate itself must be caught
+    )
+    set_task_identity(run_id=1)
+    grid = LocalGrid(reference_app([_huge_once]), NODES, workers=1)
+    try:
+        rounds = run_federated(grid, app, strategy=build_strategy(app)).rounds
+    finally:
+        grid.shutdown()
+    assert [r.extra.get("rolled_back", 0) for r in rounds] == [0, 1, 0, 0]
+    assert rounds[1].loss == rounds[0].loss  # the kept model, evaluated as it was
+    assert [r.extra["accepted"] for r in rounds[2:]] == [NODES, NODES]  # no honest node blamed
+    assert all(math.isfinite(r.loss) for r in rounds) and rounds[-1].accuracy > rounds[0].accuracy
