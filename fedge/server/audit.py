@@ -10,8 +10,8 @@ counted -- agrees with the model the coordinator holds, whatever moment it was k
 
 A strategy that knows which accepted replies it really aggregated (fedge's compressing strategies screen
 replies after the transport accepted them) names them: the commit line then carries ``nodes``, and only
-those count. A round the run rolled back (its aggregate's loss was not finite, so the model before it was
-kept) commits with no nodes: none of its updates counted.
+those count. A round the run rolled back (its aggregate's loss was not finite or blew up, so the model
+before it was kept) commits with no nodes: none of its updates counted.
 
 Lines: ``{"event": "accepted" | "rejected" | "failed" | "refused", "node", "round", "time", ...}``,
 ``{"event": "commit", "round", "time", "nodes"?}``, ``{"event": "void", "round", "time", "reason"}`` and

@@ -16,7 +16,7 @@ __all__ = ["FailureWatch", "RunFailed", "error_summary", "trained"]
 
 log = logging.getLogger("fedge.server.runner")  # the runner's lines, as they were
 
-_ROLLED_BACK = "the aggregated model's loss was not finite: the previous model was kept"
+_ROLLED_BACK = "the aggregated model's loss was not finite, or blew up: the previous model was kept"
 
 
 class RunFailed(RuntimeError):

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from fedge.server.model_export import ModelExporter
 
 __all__ = [
+    "LOSS_BLOW_UP",
     "FederatedRun",
     "ResumePoint",
     "RoundEnd",
@@ -46,6 +47,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+LOSS_BLOW_UP = 100.0
+"""A round whose aggregated model's loss is over this many times the untrained model's (or the last kept
+model's, if larger) is rolled back like one whose loss is NaN: no training step gets there, and one node's
+update 30 times an honest one had left a "successful" run at chance with a loss of 1e12, its honest nodes
+rejected as non-finite once they trained from that model."""
 
 RoundEnd = Callable[[int, ArrayRecord, RunHistory], None]
 """``(round, global model, history)`` after a round is recorded, before listeners hear of it."""
@@ -171,23 +178,31 @@ def run_rounds(
     round_started = time.perf_counter()
     failures = FailureWatch(run.max_failed_rounds)
     kept: tuple[ArrayRecord, Mapping[str, float]] | None = None  # the last model whose loss was finite
+    initial_loss = -math.inf  # the untrained model's (unknown after a resume)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        nonlocal round_started, kept
+        nonlocal round_started, kept, initial_loss
         if server_round == 0 and resume is not None:
             return MetricRecord()  # the resumed model was evaluated before the restart
         result = run.evaluate(arrays)
+        if server_round == 0:
+            initial_loss = result["loss"]
         rolled_back = False
-        if math.isfinite(result["loss"]):
+        reference = max(initial_loss, kept[1]["loss"] if kept is not None else -math.inf)
+        if math.isfinite(result["loss"]) and not _blown_up(result["loss"], reference):
             kept = (arrays, result)
         elif server_round > 0 and kept is not None and callable(getattr(strategy, "keep", None)):
-            # The aggregate computes NaN (one client's finite but huge update, a codec that pushed a
-            # variance below zero): from it, every honest update would be NaN too. Its round is undone.
+            # The aggregate computes NaN, or a loss no training step gives (one client's huge update, a
+            # codec that pushed a variance below zero): from it, every honest update would be NaN or huge
+            # too, and rejected as the honest node's. Its round is undone.
             log.warning(
-                "round %d: the aggregated model's loss is %s: it is dropped and the previous model kept "
-                "(an update of huge values? max_norm_ratio or a robust strategy rejects those)",
+                "round %d: the aggregated model's loss is %s (%s): it is dropped and the previous model "
+                "kept (an update of huge values? max_norm_ratio or a robust strategy rejects those)",
                 server_round + done,
                 result["loss"],
+                "not finite"
+                if not math.isfinite(result["loss"])
+                else f"over {LOSS_BLOW_UP:g} times the {reference:.3g} of the untrained or last kept model",
             )
             (arrays, result), rolled_back = kept, True
             strategy.keep(arrays)
@@ -278,6 +293,12 @@ def run_rounds(
             history.write(run.out_dir)
     failures.check_run(history)
     return history
+
+
+def _blown_up(loss: float, reference: float) -> bool:
+    """Whether an aggregate's ``loss`` is over :data:`LOSS_BLOW_UP` times ``reference`` (the larger of the
+    untrained model's and the last kept model's; a reference that is not positive says nothing)."""
+    return 0.0 < reference < math.inf and loss > LOSS_BLOW_UP * reference
 
 
 def _check_same_model(saved: ArrayRecord, fresh: ArrayRecord) -> None:

@@ -56,5 +56,5 @@ def test_without_the_bound_the_same_node_spoils_every_round():
     """The control: the bound switched off (``max_norm_ratio = 0``), the same node's replies are
     aggregated, every round is rolled back, and the run fails having trained nothing."""
     config = AppConfig(rounds=2, local_epochs=1, min_nodes=NODES, max_norm_ratio=0.0)
-    with pytest.raises(RunFailed, match="aggregated model's loss was not finite"):
+    with pytest.raises(RunFailed, match="aggregated model's loss was not finite, or blew up"):
         run(LocalGrid(reference_app([_huge]), NODES), build_strategy(config), rounds=2)

@@ -93,3 +93,38 @@ def test_fedbuff_rolls_back_an_aggregate_that_computes_nan_and_trains_on():
     assert rounds[1].loss == rounds[0].loss  # the kept model, evaluated as it was
     assert [r.extra["accepted"] for r in rounds[2:]] == [NODES, NODES]  # no honest node blamed
     assert all(math.isfinite(r.loss) for r in rounds) and rounds[-1].accuracy > rounds[0].accuracy
+
+
+def _boosted_once(msg: Message, context: Context, call_next) -> Message:
+    """Partition 0 replies its update 1,000 times over in round POISONED_ROUND: finite, and under the default
+    norm bound, but no training step lands there."""
+    reply = call_next(msg, context)
+    config = msg.content["config"] if msg.metadata.message_type == MessageType.TRAIN else {}
+    poisoned = (
+        int(config.get("server-round", 0)) == POISONED_ROUND and context.node_config["partition-id"] == 0
+    )
+    if reply.has_error() or not poisoned:
+        return reply
+    received, _ = record_to_arrays(msg.content["arrays"])
+    trained, _ = record_to_arrays(reply.content["arrays"])
+    boosted = {
+        n: received[n] + 1000 * (v - received[n]) if v.dtype.kind == "f" else v for n, v in trained.items()
+    }
+    reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in boosted.items()})
+    return reply
+
+
+def test_a_round_whose_loss_blows_up_is_rolled_back_as_one_whose_loss_is_nan():
+    """A finite loss of 1e12 was kept: the run went on from it, at chance, the honest nodes' updates
+    overflowed and were rejected as theirs, and the run reported success (attack sweep)."""
+    from fedge.app.config import AppConfig
+    from fedge.app.server_app import build_strategy
+    from fedge.server.runner import LOSS_BLOW_UP
+
+    strategy = build_strategy(AppConfig(min_nodes=NODES))  # fedavg's defaults: its norm bound lets it in
+    history = run(LocalGrid(reference_app([_boosted_once]), NODES), strategy, rounds=4)
+    rounds = history.rounds
+    assert [r.extra.get("rolled_back", 0) for r in rounds] == [0, 1, 0, 0]
+    assert rounds[1].loss == rounds[0].loss and rounds[-1].accuracy > rounds[0].accuracy
+    assert all(r.loss < LOSS_BLOW_UP * 2.4 for r in rounds)
+    assert [r.extra["accepted"] for r in rounds[2:]] == [NODES, NODES]  # the honest nodes still count

@@ -1,5 +1,6 @@
-"""A ClientApp for the service tests: the reference app, except that in round 2 it replies 1e30 in every
-floating weight (finite, so it passes a finiteness test, and its average's loss is NaN)."""
+"""A ClientApp for the service tests: the reference app, except that in round 2 it replies 1e15 in every
+floating weight (finite, and so is its norm, so it passes the screen when it is the round's only reply; its
+average's loss is NaN). 1e30 would be refused by the screen itself: its norm overflows float32."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _huge_in_round_two(msg: Message, context: Context) -> Message:
     if reply.has_error() or int(config.get("server-round", 0)) != HUGE_ROUND:
         return reply
     arrays, _ = record_to_arrays(reply.content["arrays"])
-    huge = {n: np.full_like(v, 1e30) if v.dtype.kind == "f" else v for n, v in arrays.items()}
+    huge = {n: np.full_like(v, 1e15) if v.dtype.kind == "f" else v for n, v in arrays.items()}
     reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in huge.items()})
     return reply
 
