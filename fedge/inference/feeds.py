@@ -18,6 +18,7 @@ from fedge.inference.io import InputError
 __all__ = [
     "Feeds",
     "as_input",
+    "check_indices",
     "feed_rows",
     "manifest_dtype",
     "onnx_dtype",
@@ -84,6 +85,14 @@ def as_input(array: np.ndarray, dtype: np.dtype, name: str = "input") -> np.ndar
         if low < info.min or high > info.max:
             raise InputError(f"{name}: values from {low} to {high} do not fit the model's {dtype}")
     return np.ascontiguousarray(array, dtype=dtype)
+
+
+def check_indices(array: np.ndarray, name: str = "input") -> None:
+    """Refuse negative values of an input the model uses as row indices (token ids): ONNX's ``Gather``
+    reads ``-1`` as the last row, where torch's embedding refuses it (see
+    :mod:`fedge.server.index_inputs`)."""
+    if array.dtype.kind == "i" and array.size and (low := array.min()) < 0:
+        raise InputError(f"{name}: the model reads these values as indices (token ids); {low} is negative")
 
 
 def zeros_input(shape: Sequence[int | str | None], dtype: np.dtype, batch: int = 1) -> np.ndarray:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from fedge.inference.feeds import as_input, onnx_dtype, zeros_input
+from fedge.inference.feeds import as_input, check_indices, onnx_dtype, zeros_input
 from fedge.inference.io import InputError, fit_to_shape
 from fedge.inference.manifest import Manifest, ModelCheckError, read_manifest, sha256_bytes
 from fedge.inference.session import SessionConfig, check_model_bytes, make_session, output_is_finite
@@ -64,9 +64,15 @@ class LoadedModel:
     input_shape: tuple[int | str | None, ...] = ()  # the first input's shape, as the graph declares it
 
     def feed(self, name: str, array: np.ndarray) -> np.ndarray:
-        """``array`` in the type input ``name`` declares (:func:`~fedge.inference.feeds.as_input`)."""
+        """``array`` in the type input ``name`` declares (:func:`~fedge.inference.feeds.as_input`); no
+        negative value for an input the manifest says is indices
+        (:func:`~fedge.inference.feeds.check_indices`)."""
         dtype = self.input_types.get(name)
-        return np.ascontiguousarray(array) if dtype is None else as_input(array, dtype, name)
+        fed = np.ascontiguousarray(array) if dtype is None else as_input(array, dtype, name)
+        indices = self.manifest.extra.get("index_inputs") if self.manifest is not None else None
+        if isinstance(indices, list) and name in indices:
+            check_indices(fed, name)
+        return fed
 
 
 @dataclass(frozen=True)

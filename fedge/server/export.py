@@ -34,6 +34,7 @@ from fedge.inference.feeds import feed_rows, resize_rows, session_feed
 from fedge.inference.manifest import Manifest, TensorSpec, sha256_bytes, write_manifest
 from fedge.inference.select import _accuracy
 from fedge.inference.session import make_session
+from fedge.server.index_inputs import index_inputs
 from fedge.server.model_inputs import (
     InputStructureError,
     ModelInputs,
@@ -179,7 +180,12 @@ def export_onnx(
         outputs=tuple(_spec(arg) for arg in session.get_outputs()),
         accuracy=accuracy,
         size_bytes=len(data),
-        extra={"exporter": exporter, "max_abs_diff": max_diff, "verify_batches": list(config.verify_batches)},
+        extra={
+            "exporter": exporter,
+            "max_abs_diff": max_diff,
+            "verify_batches": list(config.verify_batches),
+            **({"index_inputs": indices} if (indices := index_inputs(data)) else {}),
+        },
     )
     write_bytes_atomic(path, data)
     write_manifest(path, manifest)

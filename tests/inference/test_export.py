@@ -202,6 +202,7 @@ def test_variants_have_manifests_and_int8_is_smaller_and_accurate(variants):
         assert manifest.variant == name and manifest.sha256 == sha256_file(path)
         assert manifest.round == 3 and manifest.version == "r3"
         assert read_manifest(path) == manifest
+        assert "index_inputs" not in manifest.extra  # float features: no input is read as indices
     static = variants["int8-static"][1]
     assert fp32.size_bytes / static.size_bytes > 3
     assert 100 * (fp32.accuracy - static.accuracy) <= 1.0

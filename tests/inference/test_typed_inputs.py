@@ -148,6 +148,23 @@ def test_a_token_id_model_exports_quantizes_and_serves(token_model, tokens, toke
     assert all(m.latency_ms[1][0] > 0 and m.latency_ms[32][0] > 0 for m in measured)
 
 
+def test_a_negative_token_id_is_refused_as_torch_refuses_it(token_model, tokens, token_variants):
+    """ONNX's Gather reads -1 as the last row: the export served row VOCAB-1's answer for id -1, where torch's
+    embedding raises (task sweep). The manifest names the inputs that are indices; a device refuses negative
+    values for them, in every variant."""
+    for variant, (path, manifest) in token_variants.items():
+        assert manifest.extra["index_inputs"] == ["input"], variant
+        server = ModelServer(warmup_runs=1)
+        assert server.load(path).ok
+        negative = tokens[:2].copy()
+        negative[1, 3] = -1
+        with pytest.raises(InputError, match="indices \\(token ids\\); -1 is negative"):
+            server.predict(negative)
+        assert server.predict(tokens[:2]).shape == (2, CLASSES)  # ids >= 0 are served as before
+    with pytest.raises(IndexError):
+        token_model(torch.from_numpy(negative))
+
+
 def test_a_canary_of_token_ids_guards_a_token_model(token_variants, tokens):
     from fedge.inference import Canary
 

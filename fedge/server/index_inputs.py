@@ -1,0 +1,51 @@
+"""Which integer inputs of an exported graph are row indices (token ids into an embedding, say).
+
+ONNX's ``Gather`` takes indices in ``[-n, n - 1]`` and reads a negative one from the end, where torch's
+``nn.Embedding`` and ``index_select`` refuse it: an export served ``-1`` the last row's values, silently. The
+exporter records such inputs in the manifest (``extra.index_inputs``) and a device refuses negative values
+for them (:func:`fedge.inference.feeds.check_indices`), as the model itself would have.
+"""
+
+from __future__ import annotations
+
+__all__ = ["index_inputs"]
+
+# ops whose second input is indices into their first
+_GATHERS = {"Gather", "GatherElements", "GatherND"}
+# ops that pass an integer tensor on, changing only its shape or type: an input reaches a Gather through them
+_PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"}
+
+
+def index_inputs(data: bytes) -> list[str]:
+    """The graph inputs of the ONNX model ``data`` that reach a gather's indices, directly or through
+    shape and type changes only; in the graph's input order."""
+    import onnx
+
+    graph = onnx.load_from_string(data).graph
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for position, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, position))
+
+    def reaches_indices(name: str, depth: int = 0) -> bool:
+        for node, position in consumers.get(name, []):
+            if node.op_type in _GATHERS and position == 1:
+                return True
+            passed_on = node.op_type in _PASS_THROUGH and position == 0 and depth < 8
+            if passed_on and any(reaches_indices(output, depth + 1) for output in node.output):
+                return True
+        return False
+
+    return [i.name for i in graph.input if _is_integer(i) and reaches_indices(i.name)]
+
+
+def _is_integer(value) -> bool:
+    import onnx
+
+    element = value.type.tensor_type.elem_type
+    return element in {
+        onnx.TensorProto.INT64,
+        onnx.TensorProto.INT32,
+        onnx.TensorProto.INT16,
+        onnx.TensorProto.INT8,
+    }
