@@ -364,8 +364,9 @@ class FedBuffStrategy(Strategy):
 
     def keep(self, arrays: ArrayRecord) -> None:
         """Go on from ``arrays`` instead of the last aggregate (a rollback: the round runner found that
-        aggregate's loss not finite). The server optimizer's moments are as they were before that step, and
-        the dispatches that follow send ``arrays``; the version still advances (versions count steps)."""
+        aggregate's loss not finite, or blown up). The server optimizer's moments are as they were before
+        that step, and the dispatches that follow send ``arrays``; the version still advances (versions
+        count steps)."""
         model, _ = record_to_arrays(arrays)
         for name, values in model.items():
             self.state.model[name][...] = values

@@ -188,7 +188,7 @@ def run_rounds(
         if server_round == 0:
             initial_loss = result["loss"]
         rolled_back = False
-        reference = max(initial_loss, kept[1]["loss"] if kept is not None else -math.inf)
+        reference = _blow_up_reference(initial_loss, kept[1]["loss"] if kept is not None else -math.inf)
         if math.isfinite(result["loss"]) and not _blown_up(result["loss"], reference):
             kept = (arrays, result)
         elif server_round > 0 and kept is not None and callable(getattr(strategy, "keep", None)):
@@ -295,9 +295,18 @@ def run_rounds(
     return history
 
 
+def _blow_up_reference(initial_loss: float, kept_loss: float) -> float:
+    """What a round's loss is compared with: the larger of the untrained model's (``-inf`` when unknown,
+    after a resume) and the last kept model's; nothing (``-inf``) for a task whose untrained loss is not
+    positive (a likelihood that may fall below zero: its scale says nothing of a blow-up)."""
+    if initial_loss <= 0.0 and initial_loss != -math.inf:
+        return -math.inf
+    return max(initial_loss, kept_loss)
+
+
 def _blown_up(loss: float, reference: float) -> bool:
-    """Whether an aggregate's ``loss`` is over :data:`LOSS_BLOW_UP` times ``reference`` (the larger of the
-    untrained model's and the last kept model's; a reference that is not positive says nothing)."""
+    """Whether an aggregate's ``loss`` is over :data:`LOSS_BLOW_UP` times ``reference`` (see
+    :func:`_blow_up_reference`; one that is not positive says nothing)."""
     return 0.0 < reference < math.inf and loss > LOSS_BLOW_UP * reference
 
 

@@ -128,3 +128,15 @@ def test_a_round_whose_loss_blows_up_is_rolled_back_as_one_whose_loss_is_nan():
     assert rounds[1].loss == rounds[0].loss and rounds[-1].accuracy > rounds[0].accuracy
     assert all(r.loss < LOSS_BLOW_UP * 2.4 for r in rounds)
     assert [r.extra["accepted"] for r in rounds[2:]] == [NODES, NODES]  # the honest nodes still count
+
+
+def test_what_a_blown_up_loss_is_measured_against():
+    from fedge.server.runner import _blow_up_reference, _blown_up
+
+    assert _blown_up(231.0, _blow_up_reference(2.3, 0.1))  # 100 times the untrained model's 2.3
+    assert not _blown_up(229.0, _blow_up_reference(2.3, 0.1))
+    assert _blown_up(3e6, _blow_up_reference(2.3, 2e4))  # or the last kept model's, when larger
+    assert _blown_up(11.0, _blow_up_reference(-math.inf, 0.1))  # a resumed run: the kept model's alone
+    # an untrained loss that is not positive (a likelihood that crosses zero) says nothing of a blow-up
+    assert not _blown_up(1e9, _blow_up_reference(-5.0, 0.01))
+    assert not _blown_up(1e9, _blow_up_reference(0.0, 0.01))
