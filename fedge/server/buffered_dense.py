@@ -18,7 +18,7 @@ import numpy as np
 from flwr.app import Message
 
 from fedge.protocol.records import record_to_arrays
-from fedge.server.screening import Rejected, ReplyScreen, outlier_rejections, screen_dense_reply
+from fedge.server.screening import Rejected, ReplyScreen, model_norm, outlier_rejections, screen_dense_reply
 
 __all__ = ["DenseUpdate", "screen_buffer"]
 
@@ -75,9 +75,10 @@ def screen_buffer(
             continue
         passed.append((node, reply, label, base, checked))
     norms, weights = [p[4].norm for p in passed], [p[4].weight for p in passed]
+    base_norms = {label: model_norm(bases[label], statistics) for label in {p[2] for p in passed}}
     accepted = []
     for (node, reply, label, base, checked), outlier in zip(
-        passed, outlier_rejections(norms, weights, screen), strict=True
+        passed, outlier_rejections(norms, weights, screen, [base_norms[p[2]] for p in passed]), strict=True
     ):
         if outlier is not None:  # a weight (or norm) far above the buffer's median
             rejections.append((node, outlier))

@@ -61,6 +61,7 @@ from fedge.server.screening import (
     Rejected,
     ReplyScreen,
     ScreenedReply,
+    model_norm,
     outlier_rejections,
     screen_reply,
 )
@@ -146,6 +147,7 @@ class CompressedChannel:
         self._codec = build_codec(config.codec)
         # The round's payload schema: replies bound to it leave their header out.
         self._schema: Schema | None = None
+        self._model_norm = 0.0  # the last instructed model's norm (statistics left out)
         self._codecs: dict[str, Codec] = {config.codec: self._codec}  # per-node codecs, by spec
         self._node_schemas: dict[int, Schema] = {}  # node -> schema of the codec it was sent this round
         self._dtypes: dict[str, str] = {}
@@ -172,6 +174,7 @@ class CompressedChannel:
         self._sent.clear()
         self._node_schemas.clear()
         self._schema = Schema.of(self._codec, model, dtypes)
+        self._model_norm = model_norm(model, statistics(dtypes))  # a lone reply's update is measured by it
         schemas = {self.config.codec: self._schema}  # this round's schema of each codec spec
         self._dtypes = dict(dtypes)
         nodes = [message.metadata.dst_node_id for message in messages]
@@ -324,7 +327,9 @@ class CompressedChannel:
         dense_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
         accepted = []
         for screened, rejection in zip(
-            passed, outlier_rejections(norms, weights, self.config.screen), strict=True
+            passed,
+            outlier_rejections(norms, weights, self.config.screen, [self._model_norm] * len(passed)),
+            strict=True,
         ):
             if rejection is not None:
                 self.reject(server_round, screened.node_id, rejection)

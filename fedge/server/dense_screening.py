@@ -43,6 +43,7 @@ from fedge.server.screening import (
     DenseReply,
     Rejected,
     ReplyScreen,
+    model_norm,
     outlier_rejections,
     screen_dense_reply,
 )
@@ -73,6 +74,7 @@ class ScreenedStrategy(Strategy):
         self.weighted_by_key = weighted_by_key
         self._model: dict[str, np.ndarray] = {}
         self._integers: frozenset[str] = frozenset()  # tensors the model held as integers (see below)
+        self._model_norm = 0.0  # the norm of the model the round sent (its statistics left out)
         self._reports: dict[int, tuple[int, Counter[str]]] = {}  # round -> (accepted, rejected by reason)
         self.counted: dict[int, int] = {}  # node -> last round whose update reached the model
 
@@ -96,6 +98,8 @@ class ScreenedStrategy(Strategy):
         self._model = {name: np.array(array_to_numpy(array)) for name, array in arrays.items()}
         # a tensor the model ever held as integers is an integer buffer, whatever a rule averaged it to
         self._integers |= {name for name, values in self._model.items() if values.dtype.kind in "biu"}
+        stats = statistics({name: str(array.dtype) for name, array in self._model.items()}) | self._integers
+        self._model_norm = model_norm(self._model, stats)  # what a lone reply's update is measured against
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -185,7 +189,9 @@ class ScreenedStrategy(Strategy):
         norms, weights = [c.norm for _, c in passed], [c.weight for _, c in passed]
         accepted = []
         for (reply, _), rejection in zip(
-            passed, outlier_rejections(norms, weights, self.screen), strict=True
+            passed,
+            outlier_rejections(norms, weights, self.screen, [self._model_norm] * len(passed)),
+            strict=True,
         ):
             if rejection is not None:
                 self._reject(server_round, reply, rejection, rejected)

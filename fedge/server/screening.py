@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +55,7 @@ __all__ = [
     "Rejected",
     "ReplyScreen",
     "ScreenedReply",
+    "model_norm",
     "outlier_rejections",
     "ratio_outliers",
     "screen_dense_reply",
@@ -313,21 +314,49 @@ def _weight(content: RecordDict, key: str) -> float:
 
 
 def outlier_rejections(
-    norms: list[float], weights: list[float], screen: ReplyScreen
+    norms: list[float],
+    weights: list[float],
+    screen: ReplyScreen,
+    model_norms: Sequence[float] | None = None,
 ) -> list[Rejected | None]:
     """For each of a round's replies (its update norm and weight), the :class:`Rejected` the screen's ratio
-    tests give it (``norm_outlier`` first, then ``weight_outlier``), or None if it passes both."""
+    tests give it (``norm_outlier`` first, then ``weight_outlier``), or None if it passes both.
+
+    With too few replies for a median (a small fleet, a FedBuff buffer of one or two), an update is still
+    measured against ``model_norms`` (the norm of the model each reply was sent, its statistics left out):
+    over :data:`TRUSTED_MAX_NORM_RATIO` times it (or ``max_norm_ratio`` times, if larger) is no training
+    step. A model of norm 0 says nothing.
+    """
     big_norms = ratio_outliers(norms, screen.max_norm_ratio, screen.min_replies)
+    against_model = len(norms) < screen.min_replies and model_norms is not None
+    if against_model and math.isfinite(screen.max_norm_ratio):
+        ratio = max(screen.max_norm_ratio, TRUSTED_MAX_NORM_RATIO)
+        big_norms = [m > 0.0 and n > ratio * m for n, m in zip(norms, model_norms, strict=True)]
     big_weights = ratio_outliers(weights, screen.max_weight_ratio, screen.min_replies)
     out: list[Rejected | None] = []
-    for norm, weight, big_norm, big_weight in zip(norms, weights, big_norms, big_weights, strict=True):
+    for index, (norm, weight, big_norm, big_weight) in enumerate(
+        zip(norms, weights, big_norms, big_weights, strict=True)
+    ):
         if not (big_norm or big_weight):
             out.append(None)
             continue
         what, value, values = ("norm", norm, norms) if big_norm else ("weight", weight, weights)
-        detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
+        if big_norm and against_model:
+            detail = f"update norm {value:.4g} vs the model's norm {model_norms[index]:.4g}"
+        else:
+            detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
         out.append(Rejected(f"{what}_outlier", detail))
     return out
+
+
+def model_norm(model: Mapping[str, np.ndarray], statistics: frozenset[str] = frozenset()) -> float:
+    """The L2 norm of ``model``'s floating tensors, ``statistics`` left out (as update norms leave them)."""
+    squares = 0.0
+    for name, values in model.items():
+        if values.dtype.kind == "f" and name not in statistics:
+            flat = values.reshape(-1).astype(np.float64, copy=False)
+            squares += float(np.dot(flat, flat))
+    return math.sqrt(squares)
 
 
 def ratio_outliers(values: list[float], max_ratio: float, min_replies: int) -> list[bool]:

@@ -58,3 +58,21 @@ def test_without_the_bound_the_same_node_spoils_every_round():
     config = AppConfig(rounds=2, local_epochs=1, min_nodes=NODES, max_norm_ratio=0.0)
     with pytest.raises(RunFailed, match="aggregated model's loss was not finite, or blew up"):
         run(LocalGrid(reference_app([_huge]), NODES), build_strategy(config), rounds=2)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"codec": "topk:0.1+int8"}, {"strategy": "fedbuff", "buffer_size": 1, "concurrency": 2}],
+    ids=["dense", "compressed", "fedbuff-of-one"],
+)
+def test_with_too_few_replies_for_a_median_an_absurd_update_is_measured_against_the_model(settings):
+    """Two nodes (or a FedBuff buffer of one): no median to compare with, and the 1e15 node's update was
+    aggregated every round (attack sweep). It is measured against the model's own norm instead."""
+    config = AppConfig(rounds=ROUNDS, local_epochs=1, min_nodes=2, **settings)
+    mods = [CompressionMod(), _huge] if config.codec else [_huge]
+    history = run(LocalGrid(reference_app(mods), 2, workers=1), build_strategy(config), rounds=ROUNDS)
+    rounds = history.rounds
+    assert all(r.extra.get("rolled_back", 0) == 0 for r in rounds)
+    assert sum(r.extra.get("rejected_norm_outlier", 0) for r in rounds) >= 1
+    assert all(r.extra.get("accepted", 0) <= 1 for r in rounds)  # the honest node alone
+    assert rounds[-1].accuracy > history.initial_accuracy + 0.1
