@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +110,13 @@ class Manifest:
                 raise ValueError(f"manifest {key} must be {_KIND_NAMES[key]}, not {type(value).__name__}")
         if not _SHA256.fullmatch(data["sha256"]):
             raise ValueError("manifest sha256 must be 64 hex digits")
+        accuracy = data.get("accuracy")
+        if accuracy is not None and not math.isfinite(accuracy):  # NaN passed every accuracy bound
+            raise ValueError(f"manifest accuracy must be a finite number or null, not {accuracy}")
+        _check_extra(data.get("extra", {}))
         specs = {key: tuple(_tensor_spec(s, key) for s in data[key]) for key in ("inputs", "outputs")}
-        return cls(**{**data, **specs})
+        # hex digits in either case name the same file (the check compares lower case)
+        return cls(**{**data, **specs, "sha256": data["sha256"].lower()})
 
     def with_(self, **changes: Any) -> Manifest:
         """A copy with some fields changed (variants share most of the fp32 manifest)."""
@@ -118,6 +124,22 @@ class Manifest:
 
 
 _SHA256 = re.compile("[0-9a-fA-F]{64}")
+# the ``extra`` keys fedge itself reads, and what each must hold: a wrong type had switched a check off
+# silently (``index_inputs`` as a string) or crashed the install (``variants`` as a number)
+_EXTRA_LISTS = ("index_inputs", "variants")
+_EXTRA_STRINGS = ("outputs", "exporter")
+
+
+def _check_extra(extra: dict) -> None:
+    for key in _EXTRA_LISTS:
+        value = extra.get(key)
+        if key in extra and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"manifest extra.{key} must be a list of names, not {value!r:.60}")
+    for key in _EXTRA_STRINGS:
+        if key in extra and not isinstance(extra[key], str):
+            raise ValueError(f"manifest extra.{key} must be a string, not {extra[key]!r:.60}")
+
+
 # each field's JSON types (a bool is never a number here) and how an error names them
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "version": str,
@@ -203,3 +225,5 @@ def read_manifest(model_path: str | Path) -> Manifest | None:
         return Manifest.from_dict(json.loads(path.read_bytes()))
     except ValueError as err:  # json's errors are ValueErrors too (as is a non-UTF-8 file's)
         raise ValueError(f"{path.name}: {err}") from None
+    except RecursionError:  # [[[[... nests past the stack
+        raise ValueError(f"{path.name}: not a manifest: JSON nested too deeply") from None

@@ -115,7 +115,7 @@ class ArtifactHeader:
             raise ArtifactError(f"artifact header of {len(payload)} bytes exceeds {MAX_HEADER_BYTES}")
         try:
             body = json.loads(payload)
-        except (UnicodeDecodeError, ValueError) as err:
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:  # [[[[... nests past the stack
             raise ArtifactError(f"artifact header is not JSON: {err}") from None
         if not isinstance(body, dict):
             raise ArtifactError("artifact header is not a JSON object")

@@ -292,10 +292,20 @@ def test_malformed_manifests_end_in_one_line(variants, tmp_path):
         ("sha-int", {**good, "sha256": 5}),
         ("inputs-int", {**good, "inputs": [1]}),
         ("not-json", None),
+        ("deep", "deep"),  # a RecursionError's traceback (inference sweep)
+        ("accuracy-nan", {**good, "accuracy": float("nan")}),  # NaN passed every accuracy bound
+        ("index-inputs-str", {**good, "extra": {**good["extra"], "index_inputs": "input"}}),  # check off
+        ("variants-int", {**good, "extra": {**good["extra"], "variants": 5}}),  # the install raised
     ]:
         model = tmp_path / f"{name}.onnx"
         shutil.copy(source, model)
-        text = "{not json" if broken is None else json.dumps(broken)
+        text = (
+            "{not json"
+            if broken is None
+            else "[" * 100_000 + "]" * 100_000
+            if broken == "deep"
+            else json.dumps(broken)
+        )
         manifest_path(model).write_text(text)
         np.save(tmp_path / "x.npy", np.zeros((1, 1, 8, 8), np.float32))
         result = runner.invoke(app, ["predict", "--model", str(model), "--input", str(tmp_path / "x.npy")])
@@ -305,6 +315,8 @@ def test_malformed_manifests_end_in_one_line(variants, tmp_path):
     with pytest.raises(ValueError, match="manifest sha256 must be 64 hex digits"):
         Manifest.from_dict({**good, "sha256": "zz"})
     assert Manifest.from_dict(good) == manifest
+    # hex digits in upper case name the same file: its check had failed, showing the same digits
+    assert Manifest.from_dict({**good, "sha256": good["sha256"].upper()}) == manifest
 
 
 def test_rows_with_nan_outputs_are_warned_about(variants, digits_test, tmp_path):
