@@ -12,13 +12,29 @@ __all__ = ["index_inputs"]
 
 # ops whose second input is indices into their first
 _GATHERS = {"Gather", "GatherElements", "GatherND"}
-# ops that pass an integer tensor on, changing only its shape or type: an input reaches a Gather through them
-_PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"}
+# ops that pass some of their first input's values on unchanged (its shape, type, order or a selection of
+# them: ``ids[:, 1:]`` is a Slice, ``ids[:, 0]`` a Gather): an input reaches a gather's indices through
+# them. Arithmetic is not followed: ``ids - 1`` may turn 0 into -1, ``clamp(min=0)`` makes ids valid.
+_PASS_THROUGH = {
+    "Cast",
+    "Reshape",
+    "Unsqueeze",
+    "Squeeze",
+    "Flatten",
+    "Identity",
+    "Expand",
+    "Slice",
+    "Transpose",
+    "Split",
+    "Tile",
+    *_GATHERS,
+}
+_JOINS = {"Concat"}  # every input passes its values on
 
 
 def index_inputs(data: bytes) -> list[str]:
-    """The graph inputs of the ONNX model ``data`` that reach a gather's indices, directly or through
-    shape and type changes only; in the graph's input order."""
+    """The graph inputs of the ONNX model ``data`` that reach a gather's indices, directly or through ops
+    that only select or rearrange their values (see ``_PASS_THROUGH``); in the graph's input order."""
     import onnx
 
     graph = onnx.load_from_string(data).graph
@@ -31,7 +47,8 @@ def index_inputs(data: bytes) -> list[str]:
         for node, position in consumers.get(name, []):
             if node.op_type in _GATHERS and position == 1:
                 return True
-            passed_on = node.op_type in _PASS_THROUGH and position == 0 and depth < 8
+            passes = (node.op_type in _PASS_THROUGH and position == 0) or node.op_type in _JOINS
+            passed_on = passes and depth < 16
             if passed_on and any(reaches_indices(output, depth + 1) for output in node.output):
                 return True
         return False

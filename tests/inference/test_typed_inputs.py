@@ -165,6 +165,36 @@ def test_a_negative_token_id_is_refused_as_torch_refuses_it(token_model, tokens,
         token_model(torch.from_numpy(negative))
 
 
+class _Picked(nn.Module):
+    """Token ids that reach the embedding through a slice, a column pick, a concatenation or arithmetic."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.embed, self.how = nn.Embedding(VOCAB, 4), how
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        picked = {
+            "slice": lambda: ids[:, 1:],
+            "column": lambda: ids[:, 0],
+            "concat": lambda: torch.cat([ids, ids.flip(1)], dim=1),
+            "shifted": lambda: ids + 1,  # -1 is a valid id here: torch reads row 0
+        }[self.how]()
+        return self.embed(picked).flatten(1).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    ("how", "indices"), [("slice", True), ("column", True), ("concat", True), ("shifted", False)]
+)
+def test_token_ids_that_reach_the_embedding_through_a_selection_are_indices(how, indices, tokens, tmp_path):
+    """``emb(ids[:, 1:])`` was not recorded, so -1 read the last row (inference sweep); arithmetic is not
+    followed, since it may make a negative input valid."""
+    from fedge.server.export import export_onnx
+
+    torch.manual_seed(0)
+    manifest = export_onnx(_Picked(how).eval(), tokens[:2], tmp_path / "m.onnx")
+    assert ("index_inputs" in manifest.extra) is indices
+
+
 def test_a_canary_of_token_ids_guards_a_token_model(token_variants, tokens):
     from fedge.inference import Canary
 
