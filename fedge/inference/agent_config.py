@@ -151,4 +151,7 @@ def read_canary(path: str, min_accuracy: float) -> Canary | None:
             labels = data["labels"] if "labels" in data.files else None
     except (OSError, KeyError, ValueError) as err:
         raise ConfigError(f"canary file {path} cannot be read: {err}") from None
-    return Canary(inputs, labels, min_accuracy)
+    try:
+        return Canary(inputs, labels, min_accuracy)
+    except ValueError as err:
+        raise ConfigError(f"canary file {path}: {err}") from None

@@ -49,6 +49,22 @@ class Canary:
     labels: np.ndarray | None = None
     min_accuracy: float = 0.0
 
+    def __post_init__(self) -> None:
+        # An empty set's accuracy was NaN, which no bound refuses; labels of another count raised in the
+        # middle of a swap, and the agent never served again.
+        if np.ndim(self.inputs) < 1 or len(self.inputs) == 0:
+            raise ValueError("the canary set holds no inputs")
+        if self.labels is not None:
+            labels = np.asarray(self.labels)
+            if labels.ndim != 1 or labels.dtype.kind not in "iu":
+                raise ValueError(
+                    f"canary labels must be one class number per input, not {labels.dtype}{labels.shape}"
+                )
+            if len(labels) != len(self.inputs):
+                raise ValueError(f"the canary set holds {len(self.inputs)} inputs and {len(labels)} labels")
+        if not 0.0 <= self.min_accuracy <= 1.0:
+            raise ValueError(f"the canary's min_accuracy must be in [0, 1], not {self.min_accuracy}")
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -318,7 +334,13 @@ class ModelServer:
             raise ModelCheckError("canary", "outputs are not finite (NaN or inf)")
         if canary.labels is None:
             return None
-        accuracy = float((outputs[0].argmax(axis=1) == canary.labels).mean())
+        scores = outputs[0]
+        if scores.ndim != 2 or len(scores) != len(canary.labels):  # a regressor: no classes to score
+            raise ModelCheckError(
+                "canary",
+                f"the model's first output is {scores.shape}, not class scores for each canary input",
+            )
+        accuracy = float((scores.argmax(axis=1) == canary.labels).mean())
         if accuracy < canary.min_accuracy:
             raise ModelCheckError(
                 "canary", f"canary accuracy {accuracy:.3f} is below the bound {canary.min_accuracy:.3f}"

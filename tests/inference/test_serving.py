@@ -159,3 +159,43 @@ def test_predict_before_load_is_a_clear_error():
     with pytest.raises(RuntimeError, match="no model loaded"):
         ModelServer().predict(np.zeros((1, 1, 8, 8), np.float32))
     assert onnx  # onnx is used above only to build the NaN model
+
+
+def test_a_canary_set_that_cannot_judge_a_model_is_refused_when_it_is_made(tmp_path):
+    """An empty set's accuracy was NaN, which passed any bound; labels of another count (or one-hot ones)
+    raised inside swap(), and an agent with such a canary never served (inference sweep)."""
+    from fedge.config import ConfigError
+    from fedge.inference.agent_config import read_canary
+
+    rows = np.zeros((4, 1, 8, 8), np.float32)
+    for inputs, labels, message in [
+        (rows[:0], None, "holds no inputs"),
+        (rows, np.arange(3), "4 inputs and 3 labels"),
+        (rows, np.eye(4, dtype=np.int64), "one class number per input"),
+        (rows, np.zeros(4, np.float32), "one class number per input"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Canary(inputs, labels, 0.5)
+        path = tmp_path / "canary.npz"
+        np.savez(path, inputs=inputs, **({} if labels is None else {"labels": labels}))
+        with pytest.raises(ConfigError, match=message):
+            read_canary(str(path), 0.5)
+
+
+def test_a_labelled_canary_refuses_a_model_without_class_scores_and_the_old_one_serves(
+    variants, digits_test, tmp_path
+):
+    """A regressor's (N,) output scored against class labels raised numpy's AxisError inside swap()."""
+    import torch
+
+    from fedge.server.export import export_onnx
+
+    regressor = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 1), torch.nn.Flatten(0)).eval()
+    path = tmp_path / "regressor.onnx"
+    manifest = export_onnx(regressor, digits_test[0][:2], path)
+    server = ModelServer(warmup_runs=1)
+    assert server.load(variants["fp32"][0]).ok
+    canary = Canary(digits_test[0][:16], np.asarray(digits_test[1][:16]), min_accuracy=0.5)
+    result = server.swap(path.read_bytes(), manifest, version="reg", canary=canary)
+    assert not result.ok and result.reason == "canary" and "not class scores" in result.message
+    assert server.predict(digits_test[0][:2]).shape == (2, 10)  # the old model still serves
