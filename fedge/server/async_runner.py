@@ -127,7 +127,6 @@ class FedBuffStrategy(Strategy):
         # nodes whose work was lost since the last aggregation: not sent work again before it (re-sent at
         # once, a node failing at once kept a slot busy forever and the buffer never filled)
         self._resting: set[int] = set()
-        self._optimizer_before: dict[str, np.ndarray] = {}  # its state before the last step (keep)
         self._metrics: dict[int, dict[str, float]] = {}
         self.train_metrics: dict[int, MetricRecord | None] = {}  # version -> counted clients' train figures
         self._first_version = 0  # the version start() begins at: a resumed run's checkpointed round
@@ -370,12 +369,10 @@ class FedBuffStrategy(Strategy):
         model, _ = record_to_arrays(arrays)
         for name, values in model.items():
             self.state.model[name][...] = values
-        self.optimizer.load_state_dict(self._optimizer_before)
+        self.optimizer.rewind()
         self._record = arrays_to_record(self.state.model, self._dtypes)
 
     def _aggregate(self, buffer: list[Message], result: Result, evaluate_fn) -> None:
-        # what a rollback (keep) restores: a huge update's step would stay in the momentum otherwise
-        self._optimizer_before = {k: np.array(v) for k, v in self.optimizer.state_dict().items()}
         arrays, metrics = self.aggregate_train(self.state.version + 1, buffer)
         version = self.state.version
         result.arrays = arrays

@@ -70,6 +70,8 @@ class ServerOptimizer:
     tau: float = 1e-3
     steps: int = field(default=0, init=False)
     _state: dict[str, dict[str, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
+    # the state before the last step, for rewind(): a rolled-back round's step must leave no trace
+    _before: dict[str, np.ndarray] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,6 +101,7 @@ class ServerOptimizer:
 
         Tensors named in ``averaged`` (see :func:`statistics`) take the plain average, ``x ← x + Δ``.
         """
+        self._before = {key: np.array(value) for key, value in self.state_dict().items()}
         self.steps += 1
         lr = self.learning_rate
         if self.kind == "adam":
@@ -117,6 +120,14 @@ class ServerOptimizer:
             if lr != 1.0:
                 direction *= np.float32(lr)
             params[name] += direction
+
+    def rewind(self) -> None:
+        """Put the step count and moments back as they were before the last :meth:`step` (its round was
+        rolled back). A huge update's step stayed in ``avgm``'s velocity otherwise: every following
+        round stepped by it again and was rolled back too, until the run failed. Once per step."""
+        if self._before is not None:
+            self.load_state_dict(self._before)
+            self._before = None
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The step count and moment buffers, as flat named arrays (what a checkpoint stores)."""

@@ -224,8 +224,10 @@ def run_rounds(
                 timeline=traffic.clock.get("timeline", []),
             )
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
-            if rolled_back:
+            if rolled_back:  # the updates the strategy accepted were dropped with the aggregate
                 metrics.extra["rolled_back"] = 1
+                metrics.extra["rolled_back_updates"] = metrics.extra.get("accepted", 0)
+                metrics.extra["accepted"] = 0
             aggregation_error = (
                 strategy.failed.get(server_round) if isinstance(strategy, _RoundOffset) else None
             )
@@ -355,8 +357,12 @@ class _RoundOffset(Strategy):
         self._kept: ArrayRecord | None = None
 
     def keep(self, arrays: ArrayRecord) -> None:
-        """Train the next round from ``arrays`` instead of the aggregate Flower's loop holds (a rollback)."""
+        """Train the next round from ``arrays`` instead of the aggregate Flower's loop holds (a rollback);
+        a strategy with state of its own (a server optimizer's moments) is told, to undo its step."""
         self._kept = arrays
+        rolled_back = getattr(self.inner, "rolled_back", None)
+        if callable(rolled_back):
+            rolled_back()
 
     def configure_train(self, server_round, arrays, config, grid):
         if self._kept is not None:

@@ -167,6 +167,12 @@ class StreamingFedAvg(FedAvg):
         metrics = self._train_metrics(server_round, [reply.content for reply in aggregated])
         return self._global_record(), metrics
 
+    def rolled_back(self) -> None:
+        """The round runner dropped the last aggregate (its loss was not finite, or blew up): the server
+        optimizer's moments go back to what they were before its step (the model comes back through the
+        next :meth:`configure_train`)."""
+        self.optimizer.rewind()
+
     def _global_record(self) -> ArrayRecord:
         """The global model as an aggregate handed to Flower's loop; the next ``configure_train`` that gets
         this record back trains from ``self._model`` without decoding it again."""

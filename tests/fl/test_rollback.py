@@ -140,3 +140,20 @@ def test_what_a_blown_up_loss_is_measured_against():
     # an untrained loss that is not positive (a likelihood that crosses zero) says nothing of a blow-up
     assert not _blown_up(1e9, _blow_up_reference(-5.0, 0.01))
     assert not _blown_up(1e9, _blow_up_reference(0.0, 0.01))
+
+
+def test_a_rolled_back_round_leaves_no_step_in_the_server_momentum():
+    """With avgm, the dropped round's huge step stayed in the velocity: the next (honest) rounds stepped by
+    it again, were rolled back too, and the run failed (fleet sweep). A rollback rewinds the optimizer."""
+    from fedge.app.config import AppConfig
+    from fedge.app.server_app import build_strategy
+
+    config = AppConfig(codec="fp32", server_optimizer="avgm", server_lr=1.0, min_nodes=NODES)
+    strategy = build_strategy(config)
+    history = run(LocalGrid(reference_app([CompressionMod(), _boosted_once]), NODES), strategy, rounds=4)
+    rounds = history.rounds
+    assert [r.extra.get("rolled_back", 0) for r in rounds] == [0, 1, 0, 0]
+    # the dropped round's updates are not "accepted" in metrics.json
+    assert rounds[1].extra["accepted"] == 0 and rounds[1].extra["rolled_back_updates"] == NODES
+    assert rounds[-1].accuracy > rounds[0].accuracy
+    assert strategy.optimizer.steps == 3  # rounds 1, 3 and 4

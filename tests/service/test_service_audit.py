@@ -126,7 +126,7 @@ def test_a_resumed_coordinator_counts_the_runs_drops_from_the_log(tmp_path: Path
 
 
 def test_a_rolled_back_round_counts_no_update_in_the_audit(mqtt, tmp_path: Path) -> None:
-    """A round whose aggregate's loss is NaN is undone; the audit must not say its updates counted."""
+    """A round whose aggregate's loss blows up is undone; the audit must not say its updates counted."""
     agent = reference_agent(mqtt(), tmp_path / "agent", "huge", client_app="huge_update_app:app")
     agent.start()
     try:
