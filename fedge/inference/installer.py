@@ -114,10 +114,16 @@ class ModelInstaller:
             if version in self._fp32_added:
                 return
             self._fp32_added.append(version)
-        candidates = self.collector.add(variant, version, data, manifest)
-        if candidates is not None:
-            with self._install_lock:  # one version at a time, whichever subscriber completed it
-                self._install(version, candidates, received_at)
+        try:
+            candidates = self.collector.add(variant, version, data, manifest)
+            if candidates is not None:
+                with self._install_lock:  # one version at a time, whichever subscriber completed it
+                    self._install(version, candidates, received_at)
+        except Exception:
+            # not installed: the same version republished must be tried again, not ignored for good
+            if variant == "fp32" and version in self._fp32_added:
+                self._fp32_added.remove(version)
+            raise
 
     def on_failed_variant(self, variant: str, version: str) -> None:
         """A variant failed its checksum: install the version from the variants that did arrive."""

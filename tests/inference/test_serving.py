@@ -199,3 +199,29 @@ def test_a_labelled_canary_refuses_a_model_without_class_scores_and_the_old_one_
     result = server.swap(path.read_bytes(), manifest, version="reg", canary=canary)
     assert not result.ok and result.reason == "canary" and "not class scores" in result.message
     assert server.predict(digits_test[0][:2]).shape == (2, 10)  # the old model still serves
+
+
+def test_a_version_whose_install_raised_is_tried_again_when_republished(tmp_path):
+    """The installer marked a version's fp32 as received before installing it: when the install raised
+    (a malformed manifest extra, then), the corrected version republished was ignored for good."""
+    from fedge.inference.agent_config import InferenceAgentConfig
+    from fedge.inference.installer import ModelInstaller
+    from fedge.transport.config import MqttConfig
+
+    config = InferenceAgentConfig(node_id="d", mqtt=MqttConfig(), model_dir=str(tmp_path))
+    installer = ModelInstaller(config, ModelServer(), group=None, canary=None, on_installed=lambda: None)
+    calls = []
+
+    class _Collector:  # fails the first version it is given, then waits for more variants
+        def add(self, variant, version, data, manifest):
+            calls.append(version)
+            if len(calls) == 1:
+                raise TypeError("a malformed manifest")
+            return None
+
+    installer.collector = _Collector()
+    with pytest.raises(TypeError):
+        installer._add_variant("fp32", "v1", None, b"", 0.0)
+    installer._add_variant("fp32", "v1", None, b"", 0.0)  # republished: tried again
+    installer._add_variant("fp32", "v1", None, b"", 0.0)  # a duplicate of one that arrived: dropped
+    assert calls == ["v1", "v1"]
