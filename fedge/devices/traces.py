@@ -14,6 +14,7 @@ class) is refused with :class:`TraceError` before anything runs.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import pickle
 from collections.abc import Hashable, Mapping, Sequence
@@ -35,6 +36,8 @@ __all__ = [
     "read_capacity",
     "safe_unpickle",
 ]
+
+log = logging.getLogger(__name__)
 
 MAX_TRACE_BYTES = 1 << 30
 """Trace files larger than this (bytes) are refused before they are read."""
@@ -306,6 +309,13 @@ class AvailabilityTrace:
         """A trace for clients ``0..n_clients-1``, each given a distinct trace client chosen by ``seed``
         (with repetition only when the trace has fewer clients than ``n_clients``)."""
         rng = np.random.default_rng(seed)
+        if n_clients > len(self.clients):  # the docs promise distinct clients: say when they cannot be
+            log.warning(
+                "the availability trace holds %d clients for %d run clients: some run clients share a trace "
+                "client's availability",
+                len(self.clients),
+                n_clients,
+            )
         picks = rng.choice(len(self.clients), n_clients, replace=n_clients > len(self.clients))
         intervals, periods = {}, {}
         for new, row in enumerate(picks):

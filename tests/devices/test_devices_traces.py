@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pickle
@@ -123,6 +124,18 @@ def test_remap_is_seeded():
     assert a.clients == (0, 1, 2, 3, 4)
     assert [a.next_available(c, 0) for c in range(5)] == [b.next_available(c, 0) for c in range(5)]
     assert len({a.next_available(c, 0) for c in range(5)}) == 5  # distinct trace clients
+
+
+def test_a_trace_of_fewer_clients_than_the_run_is_reused_with_a_warning(caplog):
+    """The docs promised distinct trace clients; a trace of 5 for a run of 20 was reused without a word."""
+    trace = AvailabilityTrace({c: [(c, c + 1)] for c in range(5)}, 20.0)
+    with caplog.at_level(logging.WARNING, logger="fedge.devices.traces"):
+        remapped = trace.remap(20, seed=0)
+    assert len(remapped.clients) == 20
+    assert "holds 5 clients for 20 run clients" in caplog.text
+    caplog.clear()
+    trace.remap(5, seed=0)
+    assert "run clients" not in caplog.text
 
 
 def test_random_trace_available_fraction():
