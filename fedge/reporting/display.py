@@ -110,7 +110,9 @@ def fleet_table(history: RunHistory) -> Table | None:
     if not statuses:
         return None
     aggregated = sum(counts["accepted"] for counts in statuses.values())
-    table = Table(title="who trained: replies per device class")
+    unfit = max((int(r.extra.get("clients_unfit", 0)) for r in history.rounds), default=0)
+    caption = f"{unfit} clients never offered: their memory cannot hold training" if unfit else None
+    table = Table(title="who trained: replies per device class", caption=caption)
     for name in ("device", "aggregated", "late", "cut off", "share of updates"):
         table.add_column(name, justify="left" if name == "device" else "right")
     for device, counts in sorted(statuses.items()):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +131,16 @@ class ClockGrid(RunGrid):
         )
         if self._absent and len(self._absent) == len(self._client_of):
             raise ConfigError("availability: the trace has no client ever available")
+        # Memory-aware sampling never offers these: say so once, and in every round's figures (a schedule
+        # that is fast because it leaves a device class out must show it; the fleet table had no row).
+        unfit = Counter(self._profiles[c].name for n, c in self._client_of.items() if not self._fits(n))
+        self._unfit = sum(unfit.values())
+        if unfit:
+            log.warning(
+                "memory-aware sampling: %d clients cannot hold training and are never offered (%s)",
+                self._unfit,
+                ", ".join(f"{name or 'unnamed'} x{count}" for name, count in sorted(unfit.items())),
+            )
         self._pushed = 0
         if isinstance(inner, RunGrid):
             inner.on_wire = self._on_inner_wire
@@ -208,7 +219,8 @@ class ClockGrid(RunGrid):
         report = _Round(self.now_s - self._taken_s, self._async_rows + report.timeline)
         self._async_rows = []
         self._taken_s = self.now_s
-        return {"sim_time_s": report.sim_time_s, "sim_clock_s": self.now_s, "timeline": report.timeline}
+        figures = {"sim_time_s": report.sim_time_s, "sim_clock_s": self.now_s, "timeline": report.timeline}
+        return figures | ({"clients_unfit": self._unfit} if self._unfit else {})
 
     # -- the clock -------------------------------------------------------------------------------------
 

@@ -49,9 +49,12 @@ def test_a_slow_client_delays_its_round_by_no_more_than_the_deadline():
 
 def test_a_client_whose_memory_cannot_hold_training_is_never_sampled():
     """Gateways (160 MB usable here) cannot hold a model needing 1 GB: they are never offered for training."""
-    rounds = _run(Schedule(memory_aware=True, training_memory_bytes=1e9), rounds=3).rounds
-    devices = {t["device"] for r in rounds for t in r.timeline}
+    history = _run(Schedule(memory_aware=True, training_memory_bytes=1e9), rounds=3)
+    devices = {t["device"] for r in history.rounds for t in r.timeline}
     assert devices == {"pi4_wifi"}
+    # the class left out shows: every round's figures, and the fleet table's caption (it had no row)
+    assert all(r.extra["clients_unfit"] == 4 for r in history.rounds)
+    assert fleet_table(history).caption == "4 clients never offered: their memory cannot hold training"
 
 
 def test_a_fleet_that_can_never_train_ends_in_one_line_not_a_wait():
