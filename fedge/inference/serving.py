@@ -179,6 +179,8 @@ class ModelServer:
         if len(model.input_types) > 1:  # one array cannot feed them: say what can
             count, names = len(model.input_types), ", ".join(model.input_types)
             raise InputError(f"the model takes {count} inputs ({names}): send them by name (.npz)")
+        if np.ndim(inputs) == 0 or len(inputs) == 0:  # fedge predict refuses these too
+            raise InputError("the request holds no rows")
         if np.ndim(inputs) == 2 and len(model.input_shape) > 2:  # flat rows (a CSV's): the model's shape
             inputs = fit_to_shape(inputs, list(model.input_shape))
         feed = {model.input_name: model.feed(model.input_name, inputs)}
@@ -193,7 +195,16 @@ class ModelServer:
         model = self._current  # read once, as in predict_versioned
         if model is None:
             raise RuntimeError("no model loaded: call load() or swap() first")
-        feed = {name: model.feed(name, a) for name, a in feeds.items()}
+        missing = sorted(set(model.input_types) - set(feeds))
+        if missing:  # ORT's own error named no request
+            raise InputError(
+                f"the model takes inputs {sorted(model.input_types)}; the request lacks {missing}"
+            )
+        if any(np.ndim(a) == 0 or len(a) == 0 for a in feeds.values()):
+            raise InputError("the request holds no rows")
+        # names the graph does not declare are left out, as session_feed leaves them (an exporter drops an
+        # input the model never reads)
+        feed = {name: model.feed(name, a) for name, a in feeds.items() if name in model.input_types}
         start = time.perf_counter()
         names = [o.name for o in model.session.get_outputs()]
         outputs = model.session.run(names, feed)

@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fedge.inference import Canary, ModelServer, SessionConfig, read_manifest, sha256_bytes
+from fedge.inference.io import InputError
 from fedge.inference.manifest import TensorSpec
 
 
@@ -225,3 +226,19 @@ def test_a_version_whose_install_raised_is_tried_again_when_republished(tmp_path
     installer._add_variant("fp32", "v1", None, b"", 0.0)  # republished: tried again
     installer._add_variant("fp32", "v1", None, b"", 0.0)  # a duplicate of one that arrived: dropped
     assert calls == ["v1", "v1"]
+
+
+def test_requests_of_no_rows_or_without_the_models_inputs_are_refused_in_one_line(variants, digits_test):
+    """Over MQTT a wrong .npz key got ONNX Runtime's raw error, and a request of 0 rows was answered []
+    where fedge predict refuses both (inference sweep)."""
+    server = ModelServer(warmup_runs=1)
+    assert server.load(variants["fp32"][0]).ok
+    with pytest.raises(InputError, match=r"takes inputs \['input'\]; the request lacks \['input'\]"):
+        server.run_named({"x": digits_test[0][:2]})
+    with pytest.raises(InputError, match="the request holds no rows"):
+        server.run_named({"input": digits_test[0][:0]})
+    with pytest.raises(InputError, match="the request holds no rows"):
+        server.predict(digits_test[0][:0])
+    # a name the graph does not declare is left out, as session_feed leaves it
+    outputs, _ = server.run_named({"input": digits_test[0][:2], "unused": np.zeros(2)})
+    assert next(iter(outputs.values())).shape == (2, 10)
