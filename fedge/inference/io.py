@@ -50,7 +50,15 @@ def read_inputs(path: str | Path) -> np.ndarray:
         elif path.suffix in (".csv", ".txt"):
             with warnings.catch_warnings():  # an empty file: numpy's warning, then our one line below
                 warnings.simplefilter("ignore", UserWarning)
-                data = np.loadtxt(path, delimiter=",", dtype=np.float32, ndmin=2)
+                # a spreadsheet's export: a byte-order mark, and a header of column names, are skipped
+                data = np.loadtxt(
+                    path,
+                    delimiter=",",
+                    dtype=np.float32,
+                    ndmin=2,
+                    encoding="utf-8-sig",
+                    skiprows=1 if _has_header(path) else 0,
+                )
             if not data.size:
                 raise InputError(f"{path} holds no rows")
         else:
@@ -85,6 +93,22 @@ def read_named_inputs(path: str | Path) -> dict[str, np.ndarray]:
         sizes = ", ".join(f"{name} {len(array)}" for name, array in named.items())
         raise InputError(f"the inputs in {path} have different numbers of rows: {sizes}")
     return named
+
+
+def _has_header(path: Path) -> bool:
+    """Whether a CSV's first line is column names: no field of it is a number."""
+    with open(path, encoding="utf-8-sig", errors="replace") as handle:
+        first = handle.readline(1 << 20)
+    fields = [field.strip() for field in first.split(",")]
+    if not first.strip() or not any(fields):
+        return False
+    for field in fields:
+        try:
+            float(field)
+        except ValueError:
+            continue
+        return False
+    return True
 
 
 def fit_to_shape(rows: np.ndarray, shape: list[int | str | None]) -> np.ndarray:

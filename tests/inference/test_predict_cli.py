@@ -46,6 +46,19 @@ def test_predict_to_a_place_it_cannot_write_is_one_line_before_any_row(variants,
     assert result.output.strip() == f"error: --out {out}: {blocker} is a file, not a directory"
 
 
+def test_a_csv_with_a_header_and_a_byte_order_mark_is_read(tmp_path):
+    """A spreadsheet's export was refused: "could not convert string 'f0'" or "'\\ufeff1'"."""
+    from fedge.inference.io import InputError, read_inputs
+
+    rows = "1,2,3\n4,5,6\n"
+    for name, text in [("plain", rows), ("header", "f0,f1,f2\n" + rows), ("bom", "\ufeff" + rows)]:
+        (tmp_path / f"{name}.csv").write_text(text, encoding="utf-8")
+        np.testing.assert_array_equal(read_inputs(tmp_path / f"{name}.csv"), [[1, 2, 3], [4, 5, 6]])
+    (tmp_path / "typo.csv").write_text("a,2,3\n" + rows)  # a typo in a row of numbers is still an error
+    with pytest.raises(InputError, match="could not convert string 'a'"):
+        read_inputs(tmp_path / "typo.csv")
+
+
 def test_predict_csv_rows_are_reshaped_and_json(variants, digits_test, tmp_path):
     inputs = tmp_path / "x.csv"
     np.savetxt(inputs, digits_test[0][:5].reshape(5, 64), delimiter=",")
