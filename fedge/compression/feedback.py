@@ -227,4 +227,5 @@ class ErrorFeedback:
 
 def _global_norm(arrays: Mapping[str, np.ndarray]) -> float:
     """L2 norm over every entry of ``arrays``, accumulated in float64."""
-    return float(np.sqrt(sum(float(np.dot(a.ravel(), a.ravel())) for a in arrays.values())))
+    # einsum, not np.dot: OpenBLAS's threads spin after a dot and take the cores other clients train on
+    return float(np.sqrt(sum(float(np.einsum("i,i->", a.ravel(), a.ravel())) for a in arrays.values())))

@@ -208,7 +208,7 @@ def screen_reply(
         if name in statistics or array.dtype.kind != "f":
             continue
         flat = array.reshape(-1)
-        squares += float(np.dot(flat, flat))  # float32 dot: an overflow shows up as inf below
+        squares += _dot(flat, flat)  # float32: an overflow shows up as inf below
     norm = math.sqrt(squares)
     if not math.isfinite(norm):
         raise Rejected("non_finite", "the update's norm overflows")
@@ -300,7 +300,14 @@ def _squared_step(values: np.ndarray, reference: np.ndarray) -> float:
     dtype = np.result_type(values.dtype, reference.dtype, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         step = values.reshape(-1).astype(dtype, copy=False) - reference.reshape(-1).astype(dtype, copy=False)
-        return float(np.dot(step, step))
+        return _dot(step, step)
+
+
+def _dot(a: np.ndarray, b: np.ndarray) -> float:
+    """``a · b`` of two vectors without BLAS: OpenBLAS's threads spin after a dot for a while, and on the
+    coordinator they took the cores the local engine's workers train on (a third of its time over the
+    training floor in ``fedge bench engines``, the day dense replies' norms were first measured)."""
+    return float(np.einsum("i,i->", a, b))
 
 
 def _weight(content: RecordDict, key: str) -> float:
@@ -355,7 +362,7 @@ def model_norm(model: Mapping[str, np.ndarray], statistics: frozenset[str] = fro
     for name, values in model.items():
         if values.dtype.kind == "f" and name not in statistics:
             flat = values.reshape(-1).astype(np.float64, copy=False)
-            squares += float(np.dot(flat, flat))
+            squares += _dot(flat, flat)
     return math.sqrt(squares)
 
 

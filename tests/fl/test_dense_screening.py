@@ -181,3 +181,27 @@ def test_a_model_with_integer_buffers_of_any_name_trains_every_round(tmp_path, s
     app = AppConfig(rounds=3, local_epochs=1, strategy=strategy, task=f"{tmp_path / 'ids.py'}:WithIds")
     history = run_simulation(SimulationConfig(clients=3, app=app))
     assert [r.extra["accepted"] for r in history.rounds] == [3, 3, 3]
+
+
+def test_update_norms_are_taken_without_blas(monkeypatch):
+    """OpenBLAS's threads spin after a dot: measuring every dense reply's norm with np.dot took the cores the
+    local engine's workers train on (coordinator CPU 0.45 -> 1.0 s, local_efficiency 0.73 -> 0.65 in
+    fedge bench engines). The norms, the model's norm and a client's residual norm use einsum."""
+    from fedge.compression.feedback import _global_norm as residual_norm
+    from fedge.server.screening import model_norm, screen_dense_reply
+
+    def no_blas(*args, **kwargs):
+        raise AssertionError("np.dot called")
+
+    monkeypatch.setattr(np, "dot", no_blas)
+    model = {"w": np.ones(5000, np.float32), "b": np.zeros(3, np.float32)}
+    reply = RecordDict(
+        {
+            "arrays": ArrayRecord({n: Array(v + 1) for n, v in model.items()}),
+            "metrics": MetricRecord({"num-examples": 4.0}),
+        }
+    )
+    checked = screen_dense_reply(reply, model=model, weighted_by_key="num-examples")
+    assert checked.norm == pytest.approx(math.sqrt(5003))
+    assert model_norm(model) == pytest.approx(math.sqrt(5000))
+    assert residual_norm({"w": np.full(4, 2.0, np.float32)}) == pytest.approx(4.0)
