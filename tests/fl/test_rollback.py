@@ -23,14 +23,17 @@ NODES = 4
 POISONED_ROUND = 2
 
 
+def _poisoned(msg: Message, context: Context, reply: Message) -> bool:
+    """Whether ``reply`` is partition 0's train reply of round POISONED_ROUND (the one the mods corrupt)."""
+    config = msg.content["config"] if msg.metadata.message_type == MessageType.TRAIN else {}
+    chosen = int(config.get("server-round", 0)) == POISONED_ROUND and context.node_config["partition-id"] == 0
+    return chosen and not reply.has_error()
+
+
 def _huge_once(msg: Message, context: Context, call_next) -> Message:
     """Partition 0 replies 1e30 in every floating weight (finite, its norm too) in round POISONED_ROUND."""
     reply = call_next(msg, context)
-    config = msg.content["config"] if msg.metadata.message_type == MessageType.TRAIN else {}
-    poisoned = (
-        int(config.get("server-round", 0)) == POISONED_ROUND and context.node_config["partition-id"] == 0
-    )
-    if reply.has_error() or not poisoned:
+    if not _poisoned(msg, context, reply):
         return reply
     arrays, _ = record_to_arrays(reply.content["arrays"])
     huge = {n: np.full_like(v, 1e30) if v.dtype.kind == "f" else v for n, v in arrays.items()}
@@ -99,11 +102,7 @@ def _boosted_once(msg: Message, context: Context, call_next) -> Message:
     """Partition 0 replies its update 1,000 times over in round POISONED_ROUND: finite, and under the default
     norm bound, but no training step lands there."""
     reply = call_next(msg, context)
-    config = msg.content["config"] if msg.metadata.message_type == MessageType.TRAIN else {}
-    poisoned = (
-        int(config.get("server-round", 0)) == POISONED_ROUND and context.node_config["partition-id"] == 0
-    )
-    if reply.has_error() or not poisoned:
+    if not _poisoned(msg, context, reply):
         return reply
     received, _ = record_to_arrays(msg.content["arrays"])
     trained, _ = record_to_arrays(reply.content["arrays"])
