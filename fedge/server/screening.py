@@ -294,9 +294,9 @@ def screen_dense_reply(
 
 
 def _squared_step(values: np.ndarray, reference: np.ndarray) -> float:
-    """``‖values − reference‖²`` in float32, or float64 where either tensor is: a sixth of float64's cost for
-    a float32 model, and close enough for a ratio test. An update too large for float32 (a norm over 1e19)
-    comes out infinite and is rejected as ``non_finite``, as a compressed reply's is."""
+    """``‖values − reference‖²`` in float32, or float64 where either tensor is: several times cheaper than
+    float64 for a float32 model, and close enough for a ratio test. An update too large for float32 (a norm
+    over 1e19) comes out infinite and is rejected as ``non_finite``, as a compressed reply's is."""
     dtype = np.result_type(values.dtype, reference.dtype, np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         step = values.reshape(-1).astype(dtype, copy=False) - reference.reshape(-1).astype(dtype, copy=False)
