@@ -56,7 +56,10 @@ class Canary:
             raise ValueError("the canary set holds no inputs")
         if self.labels is not None:
             labels = np.asarray(self.labels)
-            if labels.ndim != 1 or labels.dtype.kind not in "iu":
+            whole = labels.dtype.kind in "iu" or (
+                labels.dtype.kind == "f" and bool(np.all(np.isfinite(labels) & (labels == np.round(labels))))
+            )
+            if labels.ndim != 1 or not whole:
                 raise ValueError(
                     f"canary labels must be one class number per input, not {labels.dtype}{labels.shape}"
                 )

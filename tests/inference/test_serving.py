@@ -173,7 +173,7 @@ def test_a_canary_set_that_cannot_judge_a_model_is_refused_when_it_is_made(tmp_p
         (rows[:0], None, "holds no inputs"),
         (rows, np.arange(3), "4 inputs and 3 labels"),
         (rows, np.eye(4, dtype=np.int64), "one class number per input"),
-        (rows, np.zeros(4, np.float32), "one class number per input"),
+        (rows, np.full(4, 0.5, np.float32), "one class number per input"),
     ]:
         with pytest.raises(ValueError, match=message):
             Canary(inputs, labels, 0.5)
@@ -181,6 +181,7 @@ def test_a_canary_set_that_cannot_judge_a_model_is_refused_when_it_is_made(tmp_p
         np.savez(path, inputs=inputs, **({} if labels is None else {"labels": labels}))
         with pytest.raises(ConfigError, match=message):
             read_canary(str(path), 0.5)
+    assert Canary(rows, np.arange(4.0), 0.5).labels is not None  # whole numbers stored as floats are classes
 
 
 def test_a_labelled_canary_refuses_a_model_without_class_scores_and_the_old_one_serves(
