@@ -75,10 +75,14 @@ def screen_buffer(
             continue
         passed.append((node, reply, label, base, checked))
     norms, weights = [p[4].norm for p in passed], [p[4].weight for p in passed]
-    base_norms = {label: model_norm(bases[label], statistics) for label in {p[2] for p in passed}}
+
+    def base_norms() -> list[float]:  # only for a buffer too small for a median: a pass over each base
+        of_label = {label: model_norm(bases[label], statistics) for label in {p[2] for p in passed}}
+        return [of_label[p[2]] for p in passed]
+
     accepted = []
     for (node, reply, label, base, checked), outlier in zip(
-        passed, outlier_rejections(norms, weights, screen, [base_norms[p[2]] for p in passed]), strict=True
+        passed, outlier_rejections(norms, weights, screen, base_norms), strict=True
     ):
         if outlier is not None:  # a weight (or norm) far above the buffer's median
             rejections.append((node, outlier))

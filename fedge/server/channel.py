@@ -147,7 +147,9 @@ class CompressedChannel:
         self._codec = build_codec(config.codec)
         # The round's payload schema: replies bound to it leave their header out.
         self._schema: Schema | None = None
-        self._model_norm = 0.0  # the last instructed model's norm (statistics left out)
+        # the last instructed model (the strategy's own arrays, stepped only after replies are received):
+        # what a lone reply's update is measured against
+        self._model: Mapping[str, np.ndarray] = {}
         self._codecs: dict[str, Codec] = {config.codec: self._codec}  # per-node codecs, by spec
         self._node_schemas: dict[int, Schema] = {}  # node -> schema of the codec it was sent this round
         self._dtypes: dict[str, str] = {}
@@ -174,7 +176,7 @@ class CompressedChannel:
         self._sent.clear()
         self._node_schemas.clear()
         self._schema = Schema.of(self._codec, model, dtypes)
-        self._model_norm = model_norm(model, statistics(dtypes))  # a lone reply's update is measured by it
+        self._model = model
         schemas = {self.config.codec: self._schema}  # this round's schema of each codec spec
         self._dtypes = dict(dtypes)
         nodes = [message.metadata.dst_node_id for message in messages]
@@ -328,7 +330,9 @@ class CompressedChannel:
         accepted = []
         for screened, rejection in zip(
             passed,
-            outlier_rejections(norms, weights, self.config.screen, [self._model_norm] * len(passed)),
+            outlier_rejections(
+                norms, weights, self.config.screen, lambda: [model_norm(self._model, stats)] * len(passed)
+            ),
             strict=True,
         ):
             if rejection is not None:

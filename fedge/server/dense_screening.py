@@ -74,7 +74,7 @@ class ScreenedStrategy(Strategy):
         self.weighted_by_key = weighted_by_key
         self._model: dict[str, np.ndarray] = {}
         self._integers: frozenset[str] = frozenset()  # tensors the model held as integers (see below)
-        self._model_norm = 0.0  # the norm of the model the round sent (its statistics left out)
+        self._statistics: frozenset[str] = frozenset()  # left out of norms: statistics, integer buffers
         self._reports: dict[int, tuple[int, Counter[str]]] = {}  # round -> (accepted, rejected by reason)
         self.counted: dict[int, int] = {}  # node -> last round whose update reached the model
 
@@ -98,8 +98,7 @@ class ScreenedStrategy(Strategy):
         self._model = {name: np.array(array_to_numpy(array)) for name, array in arrays.items()}
         # a tensor the model ever held as integers is an integer buffer, whatever a rule averaged it to
         self._integers |= {name for name, values in self._model.items() if values.dtype.kind in "biu"}
-        stats = statistics({name: str(array.dtype) for name, array in self._model.items()}) | self._integers
-        self._model_norm = model_norm(self._model, stats)  # what a lone reply's update is measured against
+        self._statistics = statistics({n: str(a.dtype) for n, a in self._model.items()}) | self._integers
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -129,7 +128,6 @@ class ScreenedStrategy(Strategy):
     ) -> list[tuple[Message, DenseReply]]:
         """The replies that pass :func:`screen_dense_reply`; the others are rejected (logged, counted)."""
         passed = []
-        stats = statistics({name: str(array.dtype) for name, array in self._model.items()}) | self._integers
         for reply in replies:
             try:
                 checked = screen_dense_reply(
@@ -138,7 +136,7 @@ class ScreenedStrategy(Strategy):
                     weighted_by_key=self.weighted_by_key,
                     measure_norm=math.isfinite(self.screen.max_norm_ratio),  # only the norm test needs it
                     check_finite=finite,
-                    statistics=stats,
+                    statistics=self._statistics,
                 )
             except Rejected as rejection:
                 self._reject(server_round, reply, rejection, rejected)
@@ -190,7 +188,9 @@ class ScreenedStrategy(Strategy):
         accepted = []
         for (reply, _), rejection in zip(
             passed,
-            outlier_rejections(norms, weights, self.screen, [self._model_norm] * len(passed)),
+            outlier_rejections(
+                norms, weights, self.screen, lambda: [model_norm(self._model, self._statistics)] * len(passed)
+            ),
             strict=True,
         ):
             if rejection is not None:

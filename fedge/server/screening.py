@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -324,21 +324,23 @@ def outlier_rejections(
     norms: list[float],
     weights: list[float],
     screen: ReplyScreen,
-    model_norms: Sequence[float] | None = None,
+    model_norms: Callable[[], Sequence[float]] | None = None,
 ) -> list[Rejected | None]:
     """For each of a round's replies (its update norm and weight), the :class:`Rejected` the screen's ratio
     tests give it (``norm_outlier`` first, then ``weight_outlier``), or None if it passes both.
 
     With too few replies for a median (a small fleet, a FedBuff buffer of one or two), an update is still
-    measured against ``model_norms`` (the norm of the model each reply was sent, its statistics left out):
-    over :data:`TRUSTED_MAX_NORM_RATIO` times it (or ``max_norm_ratio`` times, if larger) is no training
-    step. A model of norm 0 says nothing.
+    measured against ``model_norms()`` (the norm of the model each reply was sent, its statistics left
+    out; called only then, since it is a pass over the model): over :data:`TRUSTED_MAX_NORM_RATIO` times it
+    (or ``max_norm_ratio`` times, if larger) is no training step. A model of norm 0 says nothing.
     """
     big_norms = ratio_outliers(norms, screen.max_norm_ratio, screen.min_replies)
     against_model = len(norms) < screen.min_replies and model_norms is not None
+    references: Sequence[float] = ()
     if against_model and math.isfinite(screen.max_norm_ratio):
         ratio = max(screen.max_norm_ratio, TRUSTED_MAX_NORM_RATIO)
-        big_norms = [m > 0.0 and n > ratio * m for n, m in zip(norms, model_norms, strict=True)]
+        references = model_norms()  # type: ignore[misc]
+        big_norms = [m > 0.0 and n > ratio * m for n, m in zip(norms, references, strict=True)]
     big_weights = ratio_outliers(weights, screen.max_weight_ratio, screen.min_replies)
     out: list[Rejected | None] = []
     for index, (norm, weight, big_norm, big_weight) in enumerate(
@@ -349,7 +351,7 @@ def outlier_rejections(
             continue
         what, value, values = ("norm", norm, norms) if big_norm else ("weight", weight, weights)
         if big_norm and against_model:
-            detail = f"update norm {value:.4g} vs the model's norm {model_norms[index]:.4g}"
+            detail = f"update norm {value:.4g} vs the model's norm {references[index]:.4g}"
         else:
             detail = f"update {what} {value:.4g} vs round median {float(np.median(values)):.4g}"
         out.append(Rejected(f"{what}_outlier", detail))
