@@ -15,7 +15,9 @@ average, never a gradient step. :func:`statistics` names them (integer tensors a
 optimizer are: ``x ← x + Δ`` (a running variance pushed by ``η = 3`` goes negative).
 
 Every step works in place on float32 arrays, so a step needs no memory beyond the model, the update
-buffer it consumes and the optimizer's own state (none, one or two model-sized arrays).
+buffer it consumes and the optimizer's own state (none, one or two model-sized arrays), which it keeps
+twice: as it is, and a copy from before the last step that :meth:`ServerOptimizer.rewind` puts back when
+the round runner drops that step's round.
 """
 
 from __future__ import annotations
