@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from fedge.server.model_inputs import (
     named_inputs,
 )
 from fedge.server.value_branches import BranchMismatch, branched_on_values, check_probes
+
+if TYPE_CHECKING:
+    import onnx
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +173,13 @@ def export_onnx(
         model.train(was_training)
     session = make_session(data)
     accuracy = _accuracy(session, *_labelled(labelled, config)) if labelled is not None else None
+    proto = _parsed(data)  # once: the opset and the index inputs both read the graph
+    indices = index_inputs(proto.graph)
     manifest = Manifest(
         version=version or f"r{round}",
         round=round,
         sha256=sha256_bytes(data),
-        opset=_opset_of(data),
+        opset=_opset_of(proto),
         variant="fp32",
         inputs=tuple(_spec(arg) for arg in session.get_inputs()),
         outputs=tuple(_spec(arg) for arg in session.get_outputs()),
@@ -184,7 +189,7 @@ def export_onnx(
             "exporter": exporter,
             "max_abs_diff": max_diff,
             "verify_batches": list(config.verify_batches),
-            **({"index_inputs": indices} if (indices := index_inputs(data)) else {}),
+            **({"index_inputs": indices} if indices else {}),
         },
     )
     write_bytes_atomic(path, data)
@@ -454,10 +459,14 @@ def _without_torch_ir_dump() -> Iterator[None]:
         torch._C._jit_onnx_log = original
 
 
-def _opset_of(data: bytes) -> int:
+def _parsed(data: bytes) -> onnx.ModelProto:
     import onnx
 
-    model = onnx.load_from_string(data)
+    return onnx.load_from_string(data)
+
+
+def _opset_of(model: onnx.ModelProto) -> int:
+    """The default domain's opset of a parsed ONNX model."""
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 

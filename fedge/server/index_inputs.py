@@ -8,6 +8,11 @@ for them (:func:`fedge.inference.feeds.check_indices`), as the model itself woul
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx
+
 __all__ = ["index_inputs"]
 
 # ops whose second input is indices into their first
@@ -32,12 +37,10 @@ _PASS_THROUGH = {
 _JOINS = {"Concat"}  # every input passes its values on
 
 
-def index_inputs(data: bytes) -> list[str]:
-    """The graph inputs of the ONNX model ``data`` that reach a gather's indices, directly or through ops
-    that only select or rearrange their values (see ``_PASS_THROUGH``); in the graph's input order."""
-    import onnx
-
-    graph = onnx.load_from_string(data).graph
+def index_inputs(graph: onnx.GraphProto) -> list[str]:
+    """The inputs of an ONNX ``graph`` (a parsed model's ``GraphProto``) that reach a gather's indices,
+    directly or through ops that only select or rearrange their values (see ``_PASS_THROUGH``); in the
+    graph's input order."""
     consumers: dict[str, list] = {}
     for node in graph.node:
         for position, name in enumerate(node.input):
@@ -56,7 +59,7 @@ def index_inputs(data: bytes) -> list[str]:
     return [i.name for i in graph.input if _is_integer(i) and reaches_indices(i.name)]
 
 
-def _is_integer(value) -> bool:
+def _is_integer(value: onnx.ValueInfoProto) -> bool:
     import onnx
 
     element = value.type.tensor_type.elem_type
