@@ -20,6 +20,7 @@ from fedge.atomic import write_json_atomic
 
 __all__ = [
     "MANIFEST_SUFFIX",
+    "VARIANTS",
     "Manifest",
     "ModelCheckError",
     "TensorSpec",
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 MANIFEST_SUFFIX = ".json"
+VARIANTS = ("fp32", "int8-static", "int8-dynamic")
+"""The variants a model is exported as (a manifest's ``variant``): fp32 always, int8 where asked."""
 
 
 class ModelCheckError(ValueError):

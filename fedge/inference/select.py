@@ -40,6 +40,7 @@ __all__ = [
     "measure_latency",
     "measure_variants",
     "select_variant",
+    "session_accuracy",
 ]
 
 
@@ -120,7 +121,7 @@ def measure_variants(
     for name, session in sessions.items():
         accuracy = (accuracies or {}).get(name)
         if labelled is not None:
-            accuracy = _accuracy(session, *labelled)
+            accuracy = session_accuracy(session, *labelled)
         per_batch = latency[name]
         model = paths[name]
         size = len(model) if isinstance(model, bytes) else Path(model).stat().st_size
@@ -297,7 +298,7 @@ def _latency_in_turns(
     }
 
 
-def _accuracy(session, features: Feeds, labels: np.ndarray, batch: int = 256) -> float | None:
+def session_accuracy(session, features: Feeds, labels: np.ndarray, batch: int = 256) -> float | None:
     """Classification accuracy on ``(features, labels)``; None for a model that is not a classifier (its
     first output is not class scores, or the labels are not class numbers): a regressor's argmax would
     score 0 whatever its quality; integer labels of more than one column are counts or multi-label targets,

@@ -14,12 +14,8 @@ name until the file has been verified.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
-import logging
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -31,8 +27,8 @@ from torch import nn
 from fedge.atomic import write_bytes_atomic
 from fedge.config import check_types
 from fedge.inference.feeds import feed_rows, resize_rows, session_feed
-from fedge.inference.manifest import Manifest, TensorSpec, sha256_bytes, write_manifest
-from fedge.inference.select import _accuracy
+from fedge.inference.manifest import VARIANTS, Manifest, TensorSpec, sha256_bytes, write_manifest
+from fedge.inference.select import session_accuracy
 from fedge.inference.session import make_session
 from fedge.server.index_inputs import index_inputs
 from fedge.server.model_inputs import (
@@ -43,16 +39,13 @@ from fedge.server.model_inputs import (
     is_keyword,
     named_inputs,
 )
-from fedge.server.value_branches import BranchMismatch, branched_on_values, check_probes
+from fedge.server.torch_onnx import torch_to_onnx
+from fedge.server.value_branches import BranchMismatch, check_probes
 
 if TYPE_CHECKING:
     import onnx
 
-log = logging.getLogger(__name__)
-
 __all__ = ["ExportConfig", "ExportError", "export_onnx", "export_variants", "verify_onnx"]
-
-VARIANTS = ("fp32", "int8-static", "int8-dynamic")
 
 
 class ExportError(RuntimeError):
@@ -164,7 +157,12 @@ def export_onnx(
     was_training = model.training
     model.eval()
     try:
-        data, branched = _export_bytes(model, example, keyword, config, exporter)
+        try:
+            data, branched = torch_to_onnx(
+                model, example, keyword, exporter, opset=config.opset, output_name=config.output_name
+            )
+        except Exception as err:
+            raise ExportError("export", f"{exporter} exporter: {type(err).__name__}: {err}") from err
         checked = _named(held_out, config) if held_out is not None else example
         max_diff = verify_onnx(model, data, checked, config, keyword=keyword)
         if branched:
@@ -172,7 +170,7 @@ def export_onnx(
     finally:
         model.train(was_training)
     session = make_session(data)
-    accuracy = _accuracy(session, *_labelled(labelled, config)) if labelled is not None else None
+    accuracy = session_accuracy(session, *_labelled(labelled, config)) if labelled is not None else None
     proto = _parsed(data)  # once: the opset and the index inputs both read the graph
     indices = index_inputs(proto.graph)
     manifest = Manifest(
@@ -349,7 +347,7 @@ def export_variants(
         except Exception as err:
             raise ExportError("quantize", f"{variant}: {type(err).__name__}: {err}") from err
         data = path.read_bytes()
-        accuracy = _accuracy(make_session(data), *_labelled(labelled, config)) if labelled else None
+        accuracy = session_accuracy(make_session(data), *_labelled(labelled, config)) if labelled else None
         if len(fp32.outputs) > 1:  # accuracy speaks for the first output only: nothing bounds the others
             accuracy = None  # (a regression head's int8 values were 0.59 off fp32's), so none is served
         manifest = fp32.with_(
@@ -391,72 +389,6 @@ def _check_value_branches(
         )
     except BranchMismatch as err:
         raise ExportError("verify", str(err)) from None
-
-
-def _export_bytes(
-    model: nn.Module, example: dict[str, np.ndarray], keyword: bool, config: ExportConfig, exporter: str
-) -> tuple[bytes, bool]:
-    """The ONNX file's bytes, and whether the tracer saw the forward test a tensor's value."""
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in example.items()}
-    args, kwargs = ((), tensors) if keyword else (tuple(tensors.values()), None)
-    try:
-        count = len(call_model(model, example, keyword))
-        outputs = [config.output_name] + [f"{config.output_name}_{i}" for i in range(1, count)]
-        names = {"input_names": list(tensors), "output_names": outputs}
-        # the TorchScript exporter's deprecation notice and tracer warnings are kept from the user's log;
-        # one of them says the forward branched on a value (:mod:`fedge.server.value_branches`)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if exporter == "dynamo":
-                batch = torch.export.Dim("batch")
-                dims = {name: {0: batch} for name in tensors}
-                program = torch.onnx.export(
-                    model,
-                    args,
-                    kwargs=kwargs,
-                    dynamo=True,
-                    external_data=False,
-                    opset_version=config.opset,
-                    dynamic_shapes=dims if keyword else tuple(dims.values()),
-                    **names,
-                )
-                buffer = io.BytesIO()
-                program.save(buffer, external_data=False)  # type: ignore[union-attr]
-                return buffer.getvalue(), False  # torch.export refuses a branch on a value itself
-            buffer = io.BytesIO()
-            with _without_torch_ir_dump():
-                torch.onnx.export(
-                    model,
-                    args,
-                    buffer,
-                    kwargs=kwargs,
-                    dynamo=False,
-                    opset_version=config.opset,
-                    dynamic_axes={name: {0: "batch"} for name in (*tensors, *outputs)},
-                    **names,
-                )
-        return buffer.getvalue(), branched_on_values(caught)
-    except ExportError:
-        raise
-    except Exception as err:
-        raise ExportError("export", f"{exporter} exporter: {type(err).__name__}: {err}") from err
-
-
-@contextlib.contextmanager
-def _without_torch_ir_dump() -> Iterator[None]:
-    """The TorchScript exporter prints the model's whole TorchScript graph (to stdout) when an operator fails
-    to export (its ONNX log, which it switches on itself): 10-20 lines every round for a model that cannot
-    export, beside the one-line export error that says what failed. The dump goes to this module's log at
-    DEBUG instead (``torch._C._jit_onnx_log`` is private: where it is missing, nothing changes)."""
-    original = getattr(torch._C, "_jit_onnx_log", None)
-    if original is None:
-        yield
-        return
-    torch._C._jit_onnx_log = lambda *parts: log.debug("torch.onnx: %s", " ".join(map(str, parts)))
-    try:
-        yield
-    finally:
-        torch._C._jit_onnx_log = original
 
 
 def _parsed(data: bytes) -> onnx.ModelProto:

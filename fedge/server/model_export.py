@@ -39,6 +39,7 @@ import numpy as np
 
 from fedge.atomic import fsync_dir, write_json_atomic
 from fedge.config import ConfigError
+from fedge.inference.manifest import VARIANTS
 
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord
@@ -65,8 +66,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-VARIANTS = ("fp32", "int8-static", "int8-dynamic")
-"""Model variants an export may hold (the same as :data:`fedge.server.export.VARIANTS`); fp32 always."""
 MODELS_DIR = "models"
 LATEST_FILE = "latest.json"
 FILE_NAMES = {
