@@ -63,6 +63,7 @@ class DecodingStrategy(Strategy):
         weighted_by_key: str = "num-examples",
     ) -> None:
         self.strategy = strategy
+        self.weighted_by_key = weighted_by_key
         self.compression = compression or CompressionConfig()
         self.channel = CompressedChannel(self.compression, weighted_by_key)
         self._model: dict[str, np.ndarray] = {}
@@ -117,7 +118,8 @@ class DecodingStrategy(Strategy):
         if not any(not reply.has_error() for reply in dense):
             log.warning("round %d: no update to aggregate; the model stays as it is", server_round)
             return None, None
-        conform_replies([reply for reply in dense if not reply.has_error()])  # as Flower's rule needs them
+        # as Flower's rule needs them
+        conform_replies([reply for reply in dense if not reply.has_error()], self.weighted_by_key)
         arrays, metrics = self.strategy.aggregate_train(server_round, dense)
         if arrays is not None:  # the wrapped strategy's choice among the replies is not visible: all count
             self.channel.count(server_round, [r.metadata.src_node_id for r in dense if not r.has_error()])

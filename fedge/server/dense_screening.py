@@ -37,6 +37,7 @@ from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.fleet import node_label
 from fedge.protocol.records import as_number
 from fedge.server.counted import counted_from_state, counted_state
+from fedge.server.metric_average import reported_metrics
 from fedge.server.optimizers import statistics
 from fedge.server.screening import (
     REJECTION_REASONS,
@@ -149,7 +150,7 @@ class ScreenedStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         if not accepted:
             return None, None
-        conform_replies(accepted)
+        conform_replies(accepted, self.weighted_by_key)
         return self.strategy.aggregate_train(server_round, [*accepted, *errors])
 
     def configure_evaluate(
@@ -219,29 +220,32 @@ def _finite(arrays: ArrayRecord) -> bool:
     return True
 
 
-def conform_replies(replies: list[Message]) -> None:
+def conform_replies(replies: list[Message], weighted_by_key: str = "num-examples") -> None:
     """Give the accepted replies what Flower's consistency checks and metric averaging require, in place:
-    one ArrayRecord and one MetricRecord each, under the first reply's names, and only the metrics that
-    every reply has as a number. A reply's extra arrays, a metric it alone sends or sends as a list (a
-    ``MetricRecord`` may hold lists: Flower's average then added a list to a float) are dropped rather
-    than letting one node's reply end the round loop with an exception."""
+    one ArrayRecord and one MetricRecord each, under the first reply's names, holding the same metrics.
+
+    The metrics are the round's :func:`~fedge.server.metric_average.reported_metrics` (those more than half
+    of the replies hold as a finite number) and the weight. A reply that lacks one, or holds it as NaN, is
+    given the mean of the replies that have it: Flower's weighted average of the replies is then that mean,
+    so one node cannot hide or poison a figure. A reply's extra arrays and records, and a metric sent as a
+    list (Flower's average then added a list to a float), are dropped rather than letting one node's reply
+    end the round loop with an exception."""
     if not replies:
         return
     first = replies[0].content
     arrays_key = next(k for k, r in first.items() if isinstance(r, ArrayRecord))
     metrics_key = next(k for k, r in first.items() if isinstance(r, MetricRecord))
     metric_records = [_first_of(reply.content, MetricRecord) for reply in replies]
-    shared = set.intersection(
-        *(
-            {name for name, value in metrics.items() if as_number(value) is not None}
-            for metrics in metric_records
-        )
-    )
+    figures = reported_metrics(metric_records, weighted_by_key)
+    weighted = all(as_number(metrics.get(weighted_by_key)) is not None for metrics in metric_records)
     for reply, metrics in zip(replies, metric_records, strict=True):
+        conformed = {name: _own_or(metrics.get(name), mean) for name, mean in figures.items()}
+        if weighted:
+            conformed[weighted_by_key] = metrics[weighted_by_key]
         content = reply.content
         records = list(content.values())
         as_wanted = (
-            set(metrics.keys()) == shared
+            dict(metrics) == conformed
             and isinstance(content.get(arrays_key), ArrayRecord)
             and content.get(metrics_key) is metrics
             and sum(isinstance(r, ArrayRecord) for r in records) == 1
@@ -250,10 +254,14 @@ def conform_replies(replies: list[Message]) -> None:
         if as_wanted:
             continue  # as Flower wants it already (every reply of an honest round)
         arrays = _first_of(content, ArrayRecord)
-        if set(metrics.keys()) != shared:
-            metrics = MetricRecord({name: metrics[name] for name in metrics if name in shared})
         others = {k: r for k, r in content.items() if not isinstance(r, ArrayRecord | MetricRecord)}
-        reply.content = RecordDict({**others, arrays_key: arrays, metrics_key: metrics})
+        reply.content = RecordDict({**others, arrays_key: arrays, metrics_key: MetricRecord(conformed)})
+
+
+def _own_or(value: Any, mean: float) -> Any:
+    """A reply's value of a metric when it is a finite number, else the replies' mean."""
+    number = None if isinstance(value, list) else as_number(value)
+    return value if number is not None and math.isfinite(number) else mean
 
 
 def _first_of(content: RecordDict, kind: type) -> Any:

@@ -17,6 +17,7 @@ from flwr.app import MetricRecord, RecordDict
 
 from fedge.protocol.records import as_number
 from fedge.reporting.history import RoundMetrics
+from fedge.server.metric_average import metric_weight, reported_metrics
 
 __all__ = ["average_train_metrics", "evaluation_figures", "train_figures"]
 
@@ -37,17 +38,13 @@ def train_figures(metrics: MetricRecord | None) -> dict[str, float]:
 
 def average_train_metrics(contents: list[RecordDict], weight_key: str) -> MetricRecord | None:
     """The replies' train metrics averaged, weighted by ``weight_key`` (as Flower's FedAvg aggregates
-    them), for a strategy that aggregates in its own loop: the numbers every reply's first MetricRecord
-    holds; None without replies or weights."""
+    them), for a strategy that aggregates in its own loop: :func:`reported_metrics` of every reply's first
+    MetricRecord; None without replies or weights."""
     records = [next(iter(c.metric_records.values()), None) for c in contents]
-    records = [r for r in records if r is not None and isinstance(r.get(weight_key), int | float)]
-    total = sum(float(r[weight_key]) for r in records)
-    if not records or not total > 0:
+    records = [r for r in records if r is not None and metric_weight(r, weight_key) is not None]
+    if not records or not sum(metric_weight(r, weight_key) or 0.0 for r in records) > 0:
         return None
-    shared = set.intersection(*(set(r) for r in records)) - {weight_key}
-    numbers = [k for k in sorted(shared) if all(isinstance(r[k], int | float) for r in records)]
-    weighted = [(r, float(r[weight_key])) for r in records]
-    return MetricRecord({k: sum(float(r[k]) * w for r, w in weighted) / total for k in numbers})
+    return MetricRecord(reported_metrics(records, weight_key))
 
 
 _NOT_NUMBERS: set[str] = set()  # the task's figures already warned about as not numbers

@@ -27,6 +27,7 @@ from fedge.compression import CodecError, decode_add
 from fedge.protocol.records import arrays_to_record, record_to_arrays
 from fedge.server.channel import CompressedChannel, CompressionConfig
 from fedge.server.counted import CHANNEL_KEYS
+from fedge.server.metric_average import average_metric_records
 from fedge.server.optimizers import ServerOptimizer, statistics
 from fedge.server.screening import Rejected, ScreenedReply
 
@@ -68,7 +69,9 @@ class StreamingFedAvg(FedAvg):
     configrecord_key : str (default: "config")
         Key of the ConfigRecord in train and evaluate messages.
     train_metrics_aggr_fn : callable or None (default: None)
-        Aggregates accepted replies' MetricRecords; None is Flower's weighted average.
+        Aggregates accepted replies' MetricRecords; None is
+        :func:`~fedge.server.metric_average.average_metric_records` (Flower's weighted average of each
+        figure more than half of the replies hold as a finite number, over those replies).
     evaluate_metrics_aggr_fn : callable or None (default: None)
         Aggregates evaluation MetricRecords; None is Flower's weighted average.
     """
@@ -98,7 +101,7 @@ class StreamingFedAvg(FedAvg):
             weighted_by_key=weighted_by_key,
             arrayrecord_key=arrayrecord_key,
             configrecord_key=configrecord_key,
-            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            train_metrics_aggr_fn=train_metrics_aggr_fn or average_metric_records,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
         )
         self.compression = compression or CompressionConfig()

@@ -3,8 +3,9 @@
 A ``MetricRecord`` may hold lists, a node may add or leave out metrics and send a second ``ArrayRecord``:
 Flower's consistency checks then raised ``InconsistentMessageReplies`` and its metric average added a list
 to a float, out of ``aggregate_train``, ending the coordinator's round loop (and ``--resume`` ran into it
-again). The replies are now conformed first: one array record and one metric record each, and only the
-metrics every reply has as a number.
+again). The replies are now conformed first: one array record and one metric record each, holding the
+metrics more than half of the replies have as a finite number (a reply without one is given the others'
+mean, so one node can neither hide a figure nor poison it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fedge.app.config import AppConfig
 from fedge.app.server_app import build_strategy
 from fedge.client import CompressionMod
 from fedge.protocol.records import UPDATE_KEY
+from fedge.server.metric_average import reported_metrics
 from fedge.simulation.local_grid import LocalGrid
 
 NODES = 3
@@ -72,3 +74,55 @@ def test_a_round_whose_aggregation_raises_keeps_the_model_and_is_counted(caplog)
     assert [r.extra.get("aggregation_failed", 0) for r in history.rounds] == [0, 1, 0]
     assert history.rounds[1].accuracy == history.rounds[0].accuracy  # the model stayed as it was
     assert "round 2: aggregation failed: TypeError: can only concatenate list" in caplog.text
+
+
+def _hidden_loss(mode: str):
+    """A mod: partition 0 sends its train loss as NaN (or leaves it out, or adds a figure of its own); the
+    others report 2.0, so the round's weighted mean is 2.0 whatever their example counts."""
+
+    def mod(msg: Message, context: Context, call_next) -> Message:
+        reply = call_next(msg, context)
+        if reply.has_error() or msg.metadata.message_type != MessageType.TRAIN:
+            return reply
+        metrics = next(r for r in reply.content.values() if isinstance(r, MetricRecord))
+        if context.node_config["partition-id"] != 0:
+            metrics["train_loss"] = 2.0
+        elif mode == "nan":
+            metrics["train_loss"] = float("nan")
+        elif mode == "missing":
+            del metrics["train_loss"]
+        else:
+            metrics["train_loss"] = 2.0
+            metrics["only_mine"] = 5.0
+        return reply
+
+    return mod
+
+
+@pytest.mark.parametrize("mode", ["nan", "missing", "added"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"strategy": "median"}, {"codec": "topk:0.1+int8"}, {"strategy": "fedbuff", "buffer_size": 3}],
+    ids=["fedavg", "median", "codec", "fedbuff"],
+)
+def test_one_node_cannot_hide_or_poison_the_rounds_train_loss(settings, mode):
+    """Before, NaN made the round's train_loss NaN and a node leaving it out removed it from the round."""
+    strategy = build_strategy(AppConfig(local_epochs=1, min_nodes=NODES, **settings))
+    grid = LocalGrid(reference_app([_hidden_loss(mode), CompressionMod()]), NODES)
+    history = run(grid, strategy, rounds=2)
+    for metrics in history.rounds:
+        assert metrics.extra["train_loss"] == pytest.approx(2.0)
+        assert "train_only_mine" not in metrics.extra
+
+
+def test_reported_metrics_weigh_the_replies_that_hold_a_figure():
+    records = [
+        {"num-examples": 1, "loss": 1.0, "acc": 0.5, "mine": 9.0},
+        {"num-examples": 3, "loss": 3.0, "acc": float("nan"), "list": [1.0]},
+        {"num-examples": 0, "loss": 7.0, "acc": 0.7},
+    ]
+    figures = reported_metrics(records, "num-examples")
+    assert figures == {"loss": pytest.approx((1 + 9) / 4), "acc": pytest.approx(0.5)}
+    # held by exactly half: left out; weights summing to 0: the plain mean
+    assert reported_metrics(records[:2], "num-examples") == {"loss": pytest.approx(2.5)}
+    assert reported_metrics([{"w": 0, "loss": 1.0}, {"w": 0, "loss": 3.0}], "w") == {"loss": 2.0}
