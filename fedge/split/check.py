@@ -7,9 +7,10 @@ import copy
 import torch
 from torch import nn
 
+from fedge.app.seeding import seeded
 from fedge.split.cut import CutConfig, CutLink
 from fedge.split.model import as_chain
-from fedge.split.step import BackStage, FrontStage
+from fedge.split.step import _BACK, _FRONT, _HEAD, BackStage, FrontStage  # _*: the step's random streams
 
 __all__ = ["cut_gradient_max_abs_diff", "split_gradients"]
 
@@ -67,10 +68,21 @@ def cut_gradient_max_abs_diff(
 ) -> float:
     """Largest absolute difference between any parameter gradient of a split step (fp32 cut) and of one
     unsplit cross-entropy ``loss.backward()`` on the same batch; every parameter needs a gradient both ways.
+
+    The unsplit forward draws each part's randomness (dropout) from the stream the split step gives that
+    part, so both apply the same masks and a model with dropout is held to the same bound as one without.
     """
     reference = copy.deepcopy(model)
-    loss = nn.functional.cross_entropy(reference(features), labels)
-    loss.backward()
+    layers = list(as_chain(reference))
+    end = len(layers) if head_cut is None else head_cut
+    with seeded(0, _FRONT):  # the seed split_gradients' steps are given
+        activation = nn.Sequential(*layers[:cut])(features)
+    with seeded(0, _BACK):
+        output = nn.Sequential(*layers[cut:end])(activation)
+    if head_cut is not None:
+        with seeded(0, _HEAD):
+            output = nn.Sequential(*layers[head_cut:])(output)
+    nn.functional.cross_entropy(output, labels).backward()
     expected = {name: p.grad for name, p in reference.named_parameters()}
     got = split_gradients(model, cut, features, labels, head_cut=head_cut)
     if set(got) != set(expected):

@@ -47,7 +47,14 @@ from fedge.split.rounds import (
     step_seed,
 )
 from fedge.split.step import BackStage, FrontStage
-from fedge.split.timing import StageFlops, StepCost, send_s, simulate_split_round, stage_flops
+from fedge.split.timing import (
+    StageFlops,
+    StepCost,
+    send_s,
+    simulate_split_round,
+    split_stage_flops,
+    stage_flops,
+)
 
 __all__ = ["SplitFedRun", "evaluate"]
 
@@ -113,21 +120,7 @@ class SplitFedRun:
         """Per-sample FLOPs of the front, the server-side stage and the (U-shaped) head at ``cut``."""
         if cut not in self._flops:
             chain = as_chain(copy.deepcopy(self.model))
-            x = self.data[0][0][:1]
-            front, middle, head = (
-                segment(chain, 0, cut),
-                segment(chain, cut, self.end),
-                segment(chain, self.end),
-            )
-            with torch.no_grad():
-                a = front(x)
-                m = middle(a)
-            none = StageFlops(0.0, 0.0)
-            self._flops[cut] = (
-                stage_flops(front, x[0]),
-                stage_flops(middle, a[0]),
-                stage_flops(head, m[0]) if len(head) else none,
-            )
+            self._flops[cut] = split_stage_flops(chain, self.data[0][0][0], cut, self.end)
         return self._flops[cut]
 
     def run(self) -> SplitHistory:

@@ -50,6 +50,12 @@ def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             buffer.copy_(value)
 
 
+def _fed(received: torch.Tensor) -> torch.Tensor:
+    """What a stage's layers are fed of a received tensor (a leaf whose ``.grad`` is sent back): a copy, since
+    a first layer that works in place (``ReLU(inplace=True)``) may not modify a leaf that requires grad."""
+    return received.clone()
+
+
 def _step(optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is not None:
         optimizer.step()
@@ -106,7 +112,7 @@ class FrontStage:
         self.head.train()
         middle = decode_tensor(payload).requires_grad_(True)
         with seeded(seed, _HEAD):
-            loss = self.loss_fn(self.head(middle), labels)
+            loss = self.loss_fn(self.head(_fed(middle)), labels)
         loss.backward()
         return self.link.gradient_up.encode(middle.grad, seed=seed), float(loss.detach())
 
@@ -183,7 +189,7 @@ class BackStage:
         self.back.train()
         activation = decode_tensor(payload).requires_grad_(True)
         with seeded(seed, _BACK):
-            loss = self.loss_fn(self.back(activation), decode_labels(labels))
+            loss = self.loss_fn(self.back(_fed(activation)), decode_labels(labels))
         loss.backward()
         _step(self.optimizer)
         return link.gradient_down.encode(self._cut_gradient(activation), seed=seed), float(loss.detach())
@@ -194,7 +200,7 @@ class BackStage:
         activation = decode_tensor(payload).requires_grad_(True)
         used = copy.deepcopy(self.back) if self.snapshot else self.back
         with seeded(seed, _BACK):
-            output = used(activation)
+            output = used(_fed(activation))
         self._pending[client] = (activation, output, used)
         return link.activation_down.encode(output, seed=seed)
 

@@ -87,7 +87,8 @@ def split_stage_flops(
     cut, end : int
         Where the front ends and where the (U-shaped) head begins (``len(chain)``: no head).
     """
-    x = example.unsqueeze(0)
+    # two copies of the sample, as stage_flops takes them (a BatchNorm1d in training refuses a batch of one)
+    x = torch.stack([example, example])
     front, middle, head = segment(chain, 0, cut), segment(chain, cut, end), segment(chain, end)
     with torch.no_grad():
         a = front(x)

@@ -12,6 +12,7 @@ from torch import nn
 from fedge.devices.budget import can_train
 from fedge.split import (
     BackStage,
+    ClientPlan,
     CutLink,
     FrontStage,
     MemoryConfig,
@@ -92,3 +93,18 @@ def test_a_client_below_full_model_memory_takes_part_in_the_fleet(model, clients
     assert history.rounds[-1].loss < history.rounds[0].loss
     assert not torch.equal(model.features[0].weight, start.features[0].weight)
     assert history.rounds[-1].clock_s > history.rounds[0].clock_s > 0
+
+
+def test_a_chain_with_batchnorm1d_trains_split() -> None:
+    """Counting a cut's FLOPs ran a batch of one through a BatchNorm1d in training mode, which refuses it:
+    the run died before its first step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    data = [(torch.randn(32, 6), torch.randint(0, 3, (32,))) for _ in range(2)]
+    test = (torch.cat([d[0] for d in data]), torch.cat([d[1] for d in data]))
+    plans = [ClientPlan("full", None, 0, 0), ClientPlan("split", 3, 0, 0)]
+    run = SplitFedRun(model, data, test, plans, [PI, PI], SplitFedConfig(rounds=2, batch_size=8))
+    history = run.run()
+    assert [r.split_steps for r in history.rounds] == [4, 4]
+    front, middle, _ = run.flops(3)
+    assert front.forward > 0 and middle.forward > 0

@@ -75,3 +75,34 @@ def test_a_client_that_lost_its_forward_recomputes_it(model, digits) -> None:
     client.backward(grad, features=features)
     expected = split_gradients(model, 2, features, labels)["features.0.weight"]
     assert float((front[0].weight.grad - expected).abs().max()) <= 1e-6
+
+
+def test_a_stage_beginning_with_an_in_place_layer_matches_autograd() -> None:
+    """The server stage (or the U-shaped head) starting with ``inplace=True`` raised autograd's "a leaf
+    Variable that requires grad is being used in an in-place operation"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.MaxPool2d(2),
+        nn.LeakyReLU(0.1, inplace=True),
+        nn.Flatten(),
+        nn.Linear(36, 16),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 3),
+    )
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
+    assert block_cuts(as_chain(model))[0] == 2
+    for cut in (2, 5):
+        assert cut_gradient_max_abs_diff(model, cut, x, y) <= 1e-6
+    assert cut_gradient_max_abs_diff(model, 2, x, y, head_cut=5) <= 1e-6
+
+
+def test_a_model_with_dropout_matches_autograd_drawn_from_the_steps_streams() -> None:
+    """The check's unsplit forward drew other masks than the split step: 0.2-0.3 on a correct split."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 16), nn.Dropout(0.5))
+    model.append(nn.Linear(16, 3))
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    for cut in (1, 2, 3, 4):
+        assert cut_gradient_max_abs_diff(model, cut, x, y) <= 1e-6
+    assert cut_gradient_max_abs_diff(model, 2, x, y, head_cut=4) <= 1e-6
