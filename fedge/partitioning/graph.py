@@ -37,7 +37,8 @@ class Tensor:
     fixed_bytes : int (default: 0)
         Size that does not grow with the batch (tensors without a batch dimension).
     is_float : bool (default: True)
-        Whether a lower-precision boundary encoding applies to it (integer tensors always travel as-is).
+        Whether a lower-precision boundary encoding applies to it: float32 tensors (integer, boolean and
+        float16 tensors always travel as they are).
     """
 
     name: str

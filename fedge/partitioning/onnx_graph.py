@@ -33,6 +33,7 @@ from fedge.partitioning.tensor_types import (
     record_types,
     value_types,
 )
+from fedge.torch_quiet import without_torch_ir_dump
 
 __all__ = ["OPSET", "capture", "export_onnx", "extract_stage", "graph_from_onnx", "input_names", "stage_io"]
 
@@ -90,6 +91,12 @@ def export_onnx(model: Any, example_inputs: Any, *, opset: int = OPSET) -> onnx.
     import torch  # here: the planner itself must not need torch
 
     inputs = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
+    for index, value in enumerate(inputs):
+        if getattr(value, "ndim", None) == 0:  # the exporter's own error names neither the input nor the rule
+            raise ValueError(
+                f"example input {index} has no batch dimension (shape ()): every input needs the batch first"
+                " (a scalar setting belongs in the model, or as a tensor of shape (batch,))"
+            )
     training = model.training
     model.eval()
     buffer = io.BytesIO()
@@ -101,17 +108,18 @@ def export_onnx(model: Any, example_inputs: Any, *, opset: int = OPSET) -> onnx.
         names_out = [f"output_{k}" for k in range(n_out)]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # the deprecation notice is dropped, a trace's doubts kept
-            torch.onnx.export(
-                model,
-                tuple(inputs),
-                buffer,
-                dynamo=False,
-                opset_version=opset,
-                input_names=names_in,
-                output_names=names_out,
-                dynamic_axes={name: {0: "batch"} for name in names_in + names_out},
-                do_constant_folding=True,
-            )
+            with without_torch_ir_dump(log):
+                torch.onnx.export(
+                    model,
+                    tuple(inputs),
+                    buffer,
+                    dynamo=False,
+                    opset_version=opset,
+                    input_names=names_in,
+                    output_names=names_out,
+                    dynamic_axes={name: {0: "batch"} for name in names_in + names_out},
+                    do_constant_folding=True,
+                )
     finally:
         model.train(training)
     _warn_trace_doubts(caught, torch.jit.TracerWarning, Path(torch.__file__).parent)
@@ -224,10 +232,8 @@ def graph_from_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None 
     for name, prod in producer.items():
         tp = types.get(name)
         shape = dims(tp)
-        is_float = tp is not None and tp.tensor_type.elem_type in (
-            onnx.TensorProto.FLOAT,
-            onnx.TensorProto.FLOAT16,
-        )
+        # the boundary codecs re-encode float32 only (runtime.encode): float16 and the rest travel as they are
+        is_float = tp is not None and tp.tensor_type.elem_type == onnx.TensorProto.FLOAT
         if name in measured:
             per, fixed = measured[name]
         elif shape is None:  # unknown shape: count nothing rather than guess (rare: shape-computing ops)

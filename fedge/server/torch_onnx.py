@@ -8,11 +8,9 @@ of them says the forward tested a tensor's value (:mod:`fedge.server.value_branc
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -20,6 +18,7 @@ from torch import nn
 
 from fedge.server.model_inputs import call_model
 from fedge.server.value_branches import branched_on_values
+from fedge.torch_quiet import without_torch_ir_dump
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ def torch_to_onnx(
             program.save(buffer, external_data=False)  # type: ignore[union-attr]
             return buffer.getvalue(), False
         buffer = io.BytesIO()
-        with _without_torch_ir_dump():
+        with without_torch_ir_dump(log):
             torch.onnx.export(
                 model,
                 args,
@@ -92,20 +91,3 @@ def torch_to_onnx(
                 **names,
             )
     return buffer.getvalue(), branched_on_values(caught)
-
-
-@contextlib.contextmanager
-def _without_torch_ir_dump() -> Iterator[None]:
-    """The TorchScript exporter prints the model's whole TorchScript graph (to stdout) when an operator fails
-    to export (its ONNX log, which it switches on itself): 10-20 lines every round for a model that cannot
-    export, beside the one-line export error that says what failed. The dump goes to this module's log at
-    DEBUG instead (``torch._C._jit_onnx_log`` is private: where it is missing, nothing changes)."""
-    original = getattr(torch._C, "_jit_onnx_log", None)
-    if original is None:
-        yield
-        return
-    torch._C._jit_onnx_log = lambda *parts: log.debug("torch.onnx: %s", " ".join(map(str, parts)))
-    try:
-        yield
-    finally:
-        torch._C._jit_onnx_log = original

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2] / "fedge"
 
 BASE = {"base"}
 # What each component may import from fedge (always itself too). "base" is fedge.config, fedge.atomic,
-# fedge.lazy, fedge.importing and the package itself: leaves every layer may use.
+# fedge.lazy, fedge.importing, fedge.torch_quiet and the package itself: leaves every layer may use.
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
     "compression": set(),
@@ -87,7 +87,7 @@ def _component(module: str) -> str:
     if module in EDGE_ADAPTERS:
         return EDGE_ADAPTERS[module]
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("config", "atomic", "importing", "lazy"):
+    if len(parts) == 1 or parts[1] in ("config", "atomic", "importing", "lazy", "torch_quiet"):
         return "base"
     if parts[1] == "__main__":
         return "cli"

@@ -251,3 +251,35 @@ def test_a_transposed_convolution_costs_each_input_element_times_its_kernel(
     _, graph, _ = capture(model, torch.randn(2, cin, 8, 8))
     (node,) = [n for n in graph.nodes if n.op_type == "ConvTranspose"]
     assert node.flops == 2.0 * cin * 8 * 8 * (cout // groups) * kernel * kernel
+
+
+class ScaledBy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * scale
+
+
+def test_a_scalar_example_input_is_refused_naming_it():
+    """The exporter's own error ('Dynamic shape axis should be no more than the shape dimension for batch')
+    named neither the input nor the batch-first rule, after printing the model's TorchScript graph."""
+    with pytest.raises(ValueError, match=r"example input 1 has no batch dimension \(shape \(\)\)"):
+        capture(ScaledBy(), (torch.randn(2, 4), torch.tensor(2.0)))
+
+
+@pytest.mark.parametrize("boundary", ["fp32", "fp16", "int8"])
+def test_a_float16_models_cut_is_priced_at_the_bytes_it_sends(tmp_path, boundary):
+    """The boundary codecs re-encode float32 only; the plan priced a float16 cut at fp16's or int8's share
+    of it (0.52 kB planned, 2,048 bytes sent at int8)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).half().eval()
+    onnx_model, graph, feeds = capture(model, torch.randn(4, 64).half())
+    cost = CostModel(graph, FLEET, batch=4, boundary=boundary)
+    plan = evaluate(cost, [StagePlan("d0", 0, 2), StagePlan("d1", 2, len(graph))], "latency")
+    export_stages(onnx_model, graph, plan, tmp_path)
+    runner = load_runner(tmp_path)
+    runner.run(feeds)
+    assert runner.stats.link_bytes == [4 * 256 * 2]
+    assert cost.cut_bytes[2] == pytest.approx(4 * 256 * 2)
