@@ -17,6 +17,10 @@ working) or from the coordinator (a redelivery). The last one answered gets its 
 coordinator keeps the first copy that arrives); an older answered one is dropped with a log line (its reply
 is no longer held); otherwise the ClientApp runs from the last saved Context. No instruction is run twice,
 so an update is never applied to the residuals twice.
+
+An instruction's inbox file is removed once the coordinator has its reply (the transfer completed), not
+when the reply is queued: an agent stopped while a reply was still on its way (SIGTERM during training, a
+slow uplink) finds the file when it starts again and sends the saved reply once more.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from fedge.protocol.envelope import encode_message
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.endpoints import Delivery, NodeEndpoint
 from fedge.transport.rejections import RejectionLog
+from fedge.transport.sender import TransferError, TransferHandle
 from fedge.transport.signing import (
     INSTRUCTION_REFUSED,
     InstructionVerifier,
@@ -149,7 +154,11 @@ class DeviceAgent:
         if state_file.exists() and not state_file.is_file():  # it could be neither read nor replaced
             raise ConfigError(f"{state_file} is not a file: the agent keeps its node's state there")
         self._lock = threading.Lock()
+        self._unsent: dict[str, TransferHandle] = {}  # replies on their way, by instruction id
+        # not _lock, which training holds: the transport's timer must not wait on it
+        self._unsent_lock = threading.Lock()
         self._endpoint = NodeEndpoint(config.mqtt, config.node_id, on_message=self._on_delivery)
+        self._endpoint.channel.add_timer(lambda _now: self.forget_sent())
         self.handled = 0
         self.refused: Counter[str] = Counter()
         self._refusal_log = RejectionLog()
@@ -178,6 +187,19 @@ class DeviceAgent:
 
     def close(self) -> None:
         self._endpoint.close()
+
+    def forget_sent(self) -> None:
+        """Remove the inbox files of instructions whose replies the coordinator has (see the module
+        docstring; the transport calls it about once a second). A reply that failed for good (it expired)
+        is not sent again either."""
+        with self._unsent_lock:
+            done = [(i, handle) for i, handle in self._unsent.items() if handle.done()]
+            for instruction_id, _ in done:
+                del self._unsent[instruction_id]
+        for instruction_id, handle in done:
+            if handle.error is not None:
+                log.warning("reply to instruction %s not delivered: %s", instruction_id, handle.error)
+            (self._inbox_dir / f"{instruction_id}.msg").unlink(missing_ok=True)
 
     # -- instructions ----------------------------------------------------------------------------------
 
@@ -219,8 +241,16 @@ class DeviceAgent:
                     state.journal.add(instruction_id, expires_at, time.time(), self._skew_s)
                     self._save_state(context, instruction_id, reply_bytes, state.journal)
                     self.handled += 1
-            inbox_file.unlink(missing_ok=True)
-        self._send(instruction_id, reply_bytes)
+        try:
+            handle = self._send(instruction_id, reply_bytes)
+        except TransferError:  # the agent is closing: the inbox file brings the reply back at its next start
+            log.info(
+                "instruction %s: the agent stopped before its reply was sent; it is sent at the next start",
+                instruction_id,
+            )
+            return
+        with self._unsent_lock:
+            self._unsent[instruction_id] = handle
 
     def _admit(self, instruction_id: str, payload: bytes, journal: _Journal) -> Message:
         """The instruction as a Flower message, if this agent will run it; else raise :class:`_Refused`."""
@@ -273,8 +303,8 @@ class DeviceAgent:
     def _sign(self, reply: bytes) -> bytes:
         return reply if self.config.signing_key is None else sign(self.config.signing_key, reply)
 
-    def _send(self, instruction_id: str, reply: bytes) -> None:
-        self._endpoint.send(reply, message_id=f"{REPLY_PREFIX}{instruction_id}")
+    def _send(self, instruction_id: str, reply: bytes) -> TransferHandle:
+        return self._endpoint.send(reply, message_id=f"{REPLY_PREFIX}{instruction_id}")
 
     @property
     def _skew_s(self) -> float:

@@ -204,6 +204,51 @@ def test_agent_state_survives_a_restart(mqtt, tmp_path, monkeypatch, crash_after
     assert runs == [1, 2]  # nothing trained twice
 
 
+def test_a_reply_the_agent_could_not_send_before_it_stopped_is_sent_at_its_next_start(
+    mqtt, tmp_path, monkeypatch
+):
+    """Stopped (SIGTERM) while training, the agent saved the reply, removed the instruction from its inbox,
+    then failed to send on the closed channel: the restarted agent never sent it and the round waited out
+    its timeout without the node's update. The inbox file now stays until the reply is delivered."""
+    import threading
+
+    from flwr.clientapp import ClientApp
+
+    runs: list[int] = []
+    training, app = threading.Event(), ClientApp()
+    agents: list[DeviceAgent] = []
+
+    @app.train()
+    def train(msg, context):
+        runs.append(1)
+        training.set()
+        wait_until(lambda: agents[0]._endpoint.channel._closed, 20)  # the agent is told to stop meanwhile
+        return Message(RecordDict({"metrics": MetricRecord({"count": len(runs)})}), reply_to=msg)
+
+    import fedge.client.agent as agent_module
+
+    config = AgentConfig(node_id="fred", mqtt=mqtt(), state_dir=str(tmp_path), client_app="x:y")
+    monkeypatch.setattr(agent_module, "load_client_app", lambda path: app)
+    with MqttGrid(mqtt()) as grid:
+        agents.append(DeviceAgent(config))
+        agents[0].start()
+        assert grid.wait_for_nodes(1, timeout=20)
+        (instruction_id,) = grid.push_messages([_instruction(grid, "fred")])
+        assert training.wait(20)
+        agents[0].close()  # as SIGTERM does: the channel closes while the instruction is being worked on
+        assert list((tmp_path / "inbox").glob("*.msg"))
+        second = DeviceAgent(config)
+        second.start()
+        try:
+            replies: list[Message] = []
+            wait_until(lambda: replies.extend(grid.pull_messages([instruction_id])) or replies, 30)
+            assert replies[0].content["metrics"]["count"] == 1
+            wait_until(lambda: not list((tmp_path / "inbox").glob("*.msg")), 10)  # delivered: forgotten
+        finally:
+            second.close()
+    assert runs == [1]  # sent again from the state file, not trained again
+
+
 def test_an_instruction_the_channel_refuses_is_skipped_not_fatal(mqtt, caplog):
     from fedge.transport import TransferSettings
 
