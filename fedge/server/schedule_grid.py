@@ -111,6 +111,7 @@ class ScheduledGrid(RunGrid):
         self._delays: list[float] = []  # recent reply delays, most recent first: Schedule.next_deadline's
         self._rounds_done = 0  # training rounds so far (the deadline quantile's ramp)
         self._abandoned: OrderedDict[str, None] = OrderedDict()
+        self._late_seen = 0  # the inner Grid's late replies counted so far (one that drops them itself)
         self._account = _Account()
         self._unfit = 0
         # fedge's Grids report the bytes they carry; for the others, this Grid serializes to report them.
@@ -253,6 +254,10 @@ class ScheduledGrid(RunGrid):
 
     def _drain(self) -> None:
         """Discard replies that came in for abandoned instructions, counting them as late arrivals."""
+        late = getattr(self._inner, "late_replies", None)
+        if isinstance(late, int):  # the inner Grid drops them itself (MqttGrid): count what it dropped
+            self._account.late_arrived += late - self._late_seen
+            self._late_seen = late
         if not self._abandoned:
             return
         for reply in self.pull_messages(list(self._abandoned)):

@@ -196,6 +196,12 @@ class MqttGrid(RunGrid):
         with self._cond:
             return [self._replies.pop(i) for i in message_ids if i in self._replies]
 
+    @property
+    def late_replies(self) -> int:
+        """Replies dropped because they came after their instruction stopped being awaited (abandoned, or
+        its round's wait over)."""
+        return self.dropped["late"]
+
     def abandon(self, message_ids: Iterable[str]) -> None:
         """Stop awaiting these instructions: a reply that still comes is late (dropped and counted, never
         recorded as accepted), and one already received but not pulled is discarded."""

@@ -37,13 +37,16 @@ class FakeClock:
 
 
 class FakeGrid(RunGrid):
-    """Nodes that answer after fixed delays; ``abandon`` is offered only when ``can_abandon``."""
+    """Nodes that answer after fixed delays; ``abandon`` is offered only when ``can_abandon``, and then the
+    Grid drops an abandoned instruction's reply when it comes, counting it (as MqttGrid does)."""
 
     def __init__(self, clock: FakeClock, delays: dict[int, float | str], can_abandon: bool = False) -> None:
         super().__init__()
         self.clock, self.delays = clock, delays
         self.due: dict[str, tuple[float, Message]] = {}  # instruction id -> (when, reply)
         self.abandoned: list[str] = []
+        self.late_due: dict[str, float] = {}  # abandoned instruction id -> when its reply comes
+        self.can_abandon = can_abandon
         self.pushed = 0
         if can_abandon:
             self.abandon = self._abandon
@@ -83,7 +86,13 @@ class FakeGrid(RunGrid):
     def _abandon(self, message_ids: list[str]) -> None:
         self.abandoned.extend(message_ids)
         for message_id in message_ids:
-            self.due.pop(message_id, None)
+            self.late_due[message_id] = self.due.pop(message_id, (math.inf, None))[0]
+
+    @property
+    def late_replies(self) -> int | None:
+        if not self.can_abandon:
+            return None
+        return sum(when <= self.clock.now for when in self.late_due.values())
 
 
 def _grid(delays: dict[int, float | str], schedule: Schedule, **kwargs) -> tuple[ScheduledGrid, FakeGrid]:
@@ -203,16 +212,19 @@ def test_the_deadline_quantile_ramps_to_its_final_value_over_the_rounds():
         Schedule(deadline_quantile_final=1.5)
 
 
-def test_a_late_reply_never_reaches_a_later_round():
+@pytest.mark.parametrize("can_abandon", [False, True], ids=["drained", "dropped-by-the-grid"])
+def test_a_late_reply_never_reaches_a_later_round(can_abandon):
+    """With a Grid that drops late replies itself (MqttGrid), the schedule counts what it dropped: over MQTT
+    ``schedule_late_arrived`` was always 0."""
     # Node 2 answers 5 s after its instruction: after round 1's deadline, during round 2.
-    grid, inner = _grid({1: 0.5, 2: 5.0}, Schedule(deadline_s=3.0))
+    grid, inner = _grid({1: 0.5, 2: 5.0}, Schedule(deadline_s=3.0), can_abandon=can_abandon)
     assert _senders(_train(grid)) == [1]
     grid.take_round()
     inner.delays[2] = math.inf  # round 2: node 2 is busy, only round 1's reply will come
     assert _senders(_train(grid)) == [1]  # round 1's late reply arrived meanwhile and was not delivered
     figures = grid.take_round()
     assert (figures["schedule_late"], figures["schedule_late_arrived"]) == (1, 1)
-    assert "m2" not in inner.due  # pulled and discarded
+    assert "m2" not in inner.due  # pulled and discarded, or dropped by the Grid
 
 
 def test_metering_sees_only_the_aggregated_replies_and_the_schedule_figures():
