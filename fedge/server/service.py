@@ -318,12 +318,20 @@ def _reply_limit(arrays: ArrayRecord) -> int:
 
 
 class _DropsPerRound:
-    """The transport's drops since the previous round, by reason, as ``transport_dropped_<reason>``."""
+    """What was dropped since the previous round, by reason: the transport's (``transport_dropped_<reason>``)
+    and the replies the Grid dropped (``replies_dropped_<reason>``: a bad signature, late, undecodable, ...;
+    a node whose reply is dropped for its signature is otherwise only a client that did not answer)."""
 
     def __init__(self, grid: MqttGrid) -> None:
-        self._grid, self._seen = grid, Counter(grid.endpoint.drop_totals())
+        self._grid = grid
+        self._seen = Counter(grid.endpoint.drop_totals())
+        self._replies_seen = Counter(grid.dropped)
 
     def __call__(self) -> dict[str, float]:
-        totals = Counter(self._grid.endpoint.drop_totals())
+        totals, replies = Counter(self._grid.endpoint.drop_totals()), Counter(self._grid.dropped)
         delta, self._seen = totals - self._seen, totals
-        return {f"transport_dropped_{reason}": float(count) for reason, count in sorted(delta.items())}
+        dropped, self._replies_seen = replies - self._replies_seen, replies
+        return {
+            **{f"transport_dropped_{reason}": float(count) for reason, count in sorted(delta.items())},
+            **{f"replies_dropped_{reason}": float(count) for reason, count in sorted(dropped.items())},
+        }

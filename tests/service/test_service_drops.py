@@ -52,3 +52,36 @@ def test_drops_per_sender_reach_status_and_metrics(mqtt, broker, tmp_path):
         sum(v for k, v in r.extra.items() if k.startswith("transport_dropped_")) for r in history.rounds
     ]
     assert sum(per_round) > 0 and [r.clients_replied for r in history.rounds] == [1, 1]
+
+
+def test_a_round_counts_the_replies_the_grid_dropped(mqtt, tmp_path):
+    """A node whose replies fail the signature check was, in metrics.json, only a client that did not
+    answer: the round's figures now say its reply came and was dropped, and why."""
+    config = mqtt()
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for node in ("signed", "unsigned"):
+        (keys / f"{node}.key").write_text(f"{node}-key-" + "k" * 32)
+    key = ("signed-key-" + "k" * 32).encode()
+    agents = [
+        reference_agent(config, tmp_path / "a", "signed", 0, 2, signing_key=key),
+        reference_agent(config, tmp_path / "b", "unsigned", 1, 2),
+    ]
+    for agent in agents:
+        agent.start()
+    try:
+        run = federated_run(AppConfig(rounds=1, local_epochs=1, min_nodes=2), num_partitions=2)
+        service = ServiceConfig(
+            mqtt=config,
+            state_dir=str(tmp_path / "coordinator"),
+            wait_for_nodes_s=60.0,
+            round_timeout_s=5.0,
+            node_keys_dir=str(keys),
+        )
+        history = run_service(service, run)
+    finally:
+        for agent in agents:
+            agent.close()
+    (metrics,) = history.rounds
+    assert metrics.clients_replied == 1
+    assert metrics.extra["replies_dropped_signature"] >= 1  # the unsigned node's reply (and its profile)
