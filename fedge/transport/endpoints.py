@@ -208,7 +208,8 @@ class CoordinatorEndpoint(_Endpoint):
 
         def by_topic(topic: str) -> int | None:
             node_id = self.topics.node_of(topic)
-            return 0 if node_id is None else limit(node_id)  # a topic naming no node: refuse
+            # a topic naming no node, or the coordinator's own name: refuse
+            return 0 if node_id is None or node_id in RESERVED_NODE_IDS else limit(node_id)
 
         self.channel.set_message_limit(by_topic)
 
@@ -231,8 +232,12 @@ class CoordinatorEndpoint(_Endpoint):
         return self.topics.node_of(topic) or UNATTRIBUTED
 
     def _complete(self, completed: Completed) -> None:
-        if self.topics.node_of(completed.stream) is None:  # "+" matched a level that is not a node id
+        node_id = self.topics.node_of(completed.stream)
+        if node_id is None:  # "+" matched a level that is not a node id
             self.channel.count_drop(completed.stream, "unattributed")
+            return
+        if node_id in RESERVED_NODE_IDS:  # the coordinator's own name, as its presence is refused
+            self.channel.count_drop(completed.stream, "reserved")
             return
         super()._complete(completed)
 

@@ -168,3 +168,23 @@ def test_the_coordinators_own_name_is_never_a_node_and_flapping_is_logged_once(
         assert coordinator.drop_counts()["coordinator"] == {"presence-reserved": 1}
         flap = [r for r in caplog.records if r.getMessage().startswith("node flap is")]
         assert len([r for r in flap if r.levelname == "INFO"]) == 1 and len(flap) == 10
+
+
+def test_a_message_on_the_coordinators_own_outbox_is_dropped_before_the_grid(
+    mosquitto: MosquittoBroker,
+    make_config: Callable[..., MqttConfig],
+    wait_for: Callable[..., None],
+) -> None:
+    """Its presence was refused, but a well-formed message on ``node/coordinator/out`` reached the Grid,
+    which listed ``coordinator`` among the nodes whose replies it dropped."""
+    config = make_config(mosquitto.url)
+    delivered: list[str] = []
+    with (
+        CoordinatorEndpoint(config, on_message=lambda d: delivered.append(d.node_id)) as coordinator,
+        NodeEndpoint(replace(config, client_id="impostor"), "coordinator") as impostor,
+        NodeEndpoint(config, "n1") as node,
+    ):
+        impostor.send(b"a reply", message_id="forged")
+        node.send(b"a reply", message_id="honest").wait(10)
+        wait_for(lambda: coordinator.drop_counts().get("coordinator", {}).get("reserved") == 1)
+        assert delivered == ["n1"]
