@@ -325,7 +325,7 @@ class AppConfig:
                 f"full_model_codec must be one of {list(FULL_MODEL_CODECS)}",
             ),
             (self.server_optimizer in OPTIMIZERS, f"server_optimizer must be one of {OPTIMIZERS}"),
-            (self.server_lr > 0.0, "server_lr must be > 0"),
+            (0.0 < self.server_lr < math.inf, "server_lr must be > 0 and finite"),
             (0.0 <= self.server_momentum < 1.0, "server_momentum must be in [0, 1)"),
             (0.0 <= self.ef_momentum < 1.0, "ef_momentum must be in [0, 1)"),
             (self.ef_residual_cap >= 0.0, "ef_residual_cap must be >= 0 (0: uncapped)"),

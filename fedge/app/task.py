@@ -15,6 +15,7 @@ what :meth:`Task.prepare` caches on ``self`` is there for :meth:`Task.load_parti
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import json
 import threading
@@ -248,12 +249,21 @@ def load_task(path: str, args: Mapping[str, Any] | None = None) -> Task:
     cls = import_attribute(path, "task", TaskLoadError)
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise TaskLoadError(f"{path!r} does not name a fedge.app.task.Task subclass")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TaskLoadError(f"task {path!r} is abstract: it lacks {missing}")
+    args = dict(args or {})
     try:
-        return cls(**dict(args or {}))
-    except TypeError as err:
+        inspect.signature(cls).bind(**args)
+    except TypeError as err:  # a name the constructor has no parameter for, or one it needs and lacks
         raise TaskLoadError(f"task {path!r} does not take these arguments: {err}") from None
-    except Exception as err:  # the task's own checks of its arguments
-        raise TaskLoadError(f"task {path!r} refused its arguments: {err}") from None
+    except ValueError:  # no signature to read (a C-level constructor): the call below tells
+        pass
+    try:
+        return cls(**args)
+    except Exception as err:  # the task's own checks of its arguments, or a value of the wrong type
+        detail = f"{type(err).__name__}: {err}" if isinstance(err, TypeError) else str(err)
+        raise TaskLoadError(f"task {path!r} refused its arguments: {detail}") from None
 
 
 class PreparedTask:

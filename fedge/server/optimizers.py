@@ -83,7 +83,7 @@ class ServerOptimizer:
             ),
             (
                 math.isfinite(self.learning_rate) and self.learning_rate > 0,
-                "server learning rate must be > 0",
+                "server learning rate must be > 0 and finite",
             ),
             (0.0 <= self.momentum < 1.0, "server momentum must be in [0, 1)"),
             (0.0 <= self.beta_1 < 1.0 and 0.0 <= self.beta_2 < 1.0, "Adam betas must be in [0, 1)"),

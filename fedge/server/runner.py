@@ -187,6 +187,13 @@ def run_rounds(
         result = run.evaluate(arrays)
         if server_round == 0:
             initial_loss = result["loss"]
+            if not (math.isfinite(result["loss"]) and math.isfinite(result["accuracy"])):
+                # nothing later could be compared with it: no rollback has a model to go back to
+                raise RunFailed(
+                    f"the untrained model's evaluation gave accuracy {result['accuracy']} and loss "
+                    f"{result['loss']}: a run needs finite figures to start from (the task's evaluate() "
+                    "returned NaN or infinity, or its model computes them before any training)"
+                )
         rolled_back = False
         reference = _blow_up_reference(initial_loss, kept[1]["loss"] if kept is not None else -math.inf)
         if math.isfinite(result["loss"]) and not _blown_up(result["loss"], reference):

@@ -260,6 +260,27 @@ class EmptyTestSet(DigitsTask):  # every round reported 0 % and a loss of 0.0, a
 class TensorMetrics(DigitsTask):  # 0-d tensors are numbers too
     def evaluate(self, model, data):
         return {k: torch.tensor(v) for k, v in super().evaluate(model, data).items()}
+
+
+class ModelNotModule(DigitsTask):  # an AttributeError traceback from state_dict()
+    def model(self):
+        return "a model"
+
+
+class NanAccuracy(DigitsTask):  # exit 0 with no accuracy in any round
+    def evaluate(self, model, data):
+        return {**super().evaluate(model, data), "accuracy": float("nan")}
+
+
+class InfLoss(DigitsTask):  # never rolled back (no finite model to go back to), exit 0
+    def evaluate(self, model, data):
+        return {**super().evaluate(model, data), "loss": float("inf")}
+
+
+class Widths(DigitsTask):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.width = max(1, width)
 """
 
 
@@ -272,18 +293,32 @@ class TensorMetrics(DigitsTask):  # 0-d tensors are numbers too
         ("ShortLabels", "test_set() returned [359] feature rows but 356 labels"),
         ("EmptyTestSet", "test_set() returned no rows: there is nothing to measure the model on"),
         ("TensorMetrics", None),
+        ("ModelNotModule", "ModelNotModule: model() returned str, not a torch.nn.Module"),
+        ("NanAccuracy", "the untrained model's evaluation gave accuracy nan and loss"),
+        ("InfLoss", "and loss inf: a run needs finite figures to start from"),
+        ('Widths --task-arg width="4"', "Widths' refused its arguments: TypeError: '>' not supported"),
+        ("Widths --task-arg depth=2", "Widths' does not take these arguments: got an unexpected keyword"),
     ],
 )
 def test_mistakes_in_a_tasks_server_side_code_end_in_one_line(tmp_path, name, message):
     (tmp_path / "mistakes.py").write_text(SERVER_SIDE_MISTAKES)
+    name, *more = name.split()
     task = f"{tmp_path / 'mistakes.py'}:{name}"
-    args = ["simulate", "--task", task, "--clients", "2", "--rounds", "1", "--out", str(tmp_path / "run")]
-    result = CliRunner().invoke(app, args)
+    args = ["simulate", "--task", task, *more, "--clients", "2", "--rounds", "1"]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "run")])
     assert "Traceback" not in result.output
     if message is None:
         assert result.exit_code == 0, result.output
     else:
-        assert result.exit_code == 2 and message in result.output, result.output
+        failed = "untrained model" in message or "a run needs" in message  # a failed run, not bad input
+        assert result.exit_code == (1 if failed else 2) and message in result.output, result.output
+
+
+def test_an_abstract_task_is_named_as_such():
+    from fedge.app.task import TaskLoadError, load_task
+
+    with pytest.raises(TaskLoadError, match=r"'fedge\.app\.task:Task' is abstract: it lacks load_partition"):
+        load_task("fedge.app.task:Task")
 
 
 PERCENT_TASK = """

@@ -71,6 +71,8 @@ def test_the_config_files_out_dir_is_where_the_run_writes_unless_out_is_given(tm
         ([], "clients = 'many'\n", "clients must be int"),
         ([], "this is not toml", "not valid TOML"),
         ([], "learning_rate = inf\n", "learning_rate must be > 0 and finite"),
+        ([], 'codec = "fp32"\nserver_lr = inf\n', "server_lr must be > 0 and finite"),
+        (["--codec", "fp32", "--server-lr", "inf"], None, "server_lr must be > 0 and finite"),
         ([], "alpha = nan\n", "alpha must be a number, got nan"),
         (["--alpha", "inf"], None, "alpha must be > 0 and finite"),
         (["--broker", "mqtt://127.0.0.1:1"], None, "broker is for the mqtt engine"),
