@@ -101,12 +101,15 @@ def _parts(features: Any) -> list[Any]:
 
 
 def check_model_dtypes(model: Any, task: str) -> None:
-    """Refuse in one line what is not a torch module, or a model holding tensors numpy cannot hold (bfloat16, float8): every tensor
-    travels as a numpy array in Flower's records, and the run would otherwise end in a raw ``TypeError``."""
+    """Refuse in one line what is not a torch module, or a model holding tensors numpy cannot hold
+    (bfloat16, float8): every tensor travels as a numpy array in Flower's records, and the run would
+    otherwise end in a raw ``AttributeError`` or ``TypeError``."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
-        raise TaskContractError(f"task {task}: model() returned {type(model).__name__}, not a torch.nn.Module")
+        raise TaskContractError(
+            f"task {task}: model() returned {type(model).__name__}, not a torch.nn.Module"
+        )
     unsupported = {}
     for name, tensor in model.state_dict().items():
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from fedge.reporting.history import RoundMetrics, RunHistory
+from fedge.server.screening import REJECTION_MEANINGS
 
 __all__ = ["FailureWatch", "RunFailed", "error_summary", "trained"]
 
@@ -117,7 +118,10 @@ def _rejections(metrics: RoundMetrics) -> str:
     }
     if not counts:
         return ""
-    return "rejected by screening: " + ", ".join(f"{reason} x{n}" for reason, n in sorted(counts.items()))
+    first = max(sorted(counts), key=counts.__getitem__)  # the commonest reason, explained
+    meaning = f" ({first}: {REJECTION_MEANINGS[first]})" if first in REJECTION_MEANINGS else ""
+    listed = ", ".join(f"{reason} x{n}" for reason, n in sorted(counts.items()))
+    return f"rejected by screening: {listed}{meaning}"
 
 
 def error_summary(text: str) -> str:

@@ -49,6 +49,7 @@ from fedge.protocol.records import UPDATE_KEY
 
 __all__ = [
     "DENSE_MAX_WEIGHT_RATIO",
+    "REJECTION_MEANINGS",
     "REJECTION_REASONS",
     "TRUSTED_MAX_NORM_RATIO",
     "DenseReply",
@@ -73,6 +74,20 @@ REJECTION_REASONS = (
     "weight_outlier",
     "wrong_codec",
 )
+
+REJECTION_MEANINGS = {
+    "no_update": "no update in the reply",
+    "stale": "trained from another model version",
+    "bad_weight": "num-examples missing, or not a positive finite number: the task's train() must return "
+    "the count of examples it trained on",
+    "undecodable": "the update does not decode",
+    "wrong_tensors": "other tensor names or shapes than the model's",
+    "non_finite": "NaN or infinite values",
+    "norm_outlier": "an update far larger than the round's typical one (max_norm_ratio)",
+    "weight_outlier": "far more examples claimed than the round's typical reply (max_weight_ratio)",
+    "wrong_codec": "another codec than the instruction named",
+}
+"""What each of :data:`REJECTION_REASONS` means, in the words a failed run's message uses."""
 
 
 _FALLBACK_SPEC = Codec().spec  # a client's codec falls back to plain fp32 when it would inflate a payload

@@ -337,3 +337,25 @@ def test_a_bfloat16_model_is_one_line(tmp_path):
     result = runner.invoke(app, ["simulate", "--task", f"{tmp_path / 'bf16.py'}:Bf16", "--rounds", "1"])
     assert result.exit_code == 2 and "Traceback" not in result.output  # after the run's header: one line
     assert "numpy cannot carry: bfloat16 (e.g. 'features.0.weight')" in result.output.replace("\n", "")
+
+
+NO_WEIGHT_TASK = """
+from fedge.app.task import DigitsTask
+
+
+class NoWeight(DigitsTask):
+    def train(self, model, data, config):
+        result = super().train(model, data, config)
+        del result["num-examples"]
+        return result
+"""
+
+
+def test_a_run_whose_replies_screening_rejects_says_what_the_reason_means(tmp_path):
+    """It said 'rejected by screening: bad_weight x2' and no more."""
+    (tmp_path / "no_weight.py").write_text(NO_WEIGHT_TASK)
+    args = ["simulate", "--task", f"{tmp_path / 'no_weight.py'}:NoWeight", "--clients", "2", "--rounds", "4"]
+    result = runner.invoke(app, [*args, "--workers", "1", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 1, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert "rejected by screening: bad_weight x2 (bad_weight: num-examples missing" in error
