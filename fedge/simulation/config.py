@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class SimulationConfig:
     schedule : Schedule (default: Schedule())
         Deadline, over-selection, availability- and memory-aware sampling (``[schedule]``): in simulated
         seconds with a fleet, in real seconds on the ``mqtt`` engine (``fedge.server.schedule_grid``).
+    round_timeout_s : float or None (default: None: 3600 on the local and ray engines, 600 on mqtt)
+        Real seconds a round waits for its clients; a call still running then is stopped and counts as a
+        failure (a task whose ``train()`` hangs fails its rounds, and then the run).
     """
 
     clients: int = 20
@@ -66,9 +70,12 @@ class SimulationConfig:
     fleet: FleetConfig | None = None
     availability: str = ""
     schedule: Schedule = field(default_factory=Schedule)
+    round_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.round_timeout_s is not None and not 0.0 < self.round_timeout_s < math.inf:
+            raise ConfigError(f"round_timeout_s must be > 0 and finite, got {self.round_timeout_s!r}")
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; choose one of: {', '.join(ENGINES)}")
         if self.clients < 1:

@@ -62,9 +62,20 @@ def run_simulation(config: SimulationConfig, listeners: Iterable[RoundListener] 
 
         workdir = Path(config.app.out_dir) / "mqtt" if config.app.out_dir else None
         return run_mqtt_simulation(
-            config.clients, app_config, listeners, config.broker, workdir, schedule=config.schedule
+            config.clients,
+            app_config,
+            listeners,
+            config.broker,
+            workdir,
+            schedule=config.schedule,
+            **({} if config.round_timeout_s is None else {"round_timeout_s": config.round_timeout_s}),
         )
     return _run_local(config, app_config, task, list(listeners))
+
+
+def _timeout(config: SimulationConfig) -> float:
+    """Seconds a round of the local or ray engine waits for its clients."""
+    return 3600.0 if config.round_timeout_s is None else config.round_timeout_s
 
 
 def _run_local(
@@ -79,7 +90,9 @@ def _run_local(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - config.workers))
     try:
         clocked = clocked_grid(grid, config, task, client_of)
-        history = run_federated(clocked, app_config, listeners, num_partitions=config.clients)
+        history = run_federated(
+            clocked, app_config, listeners, num_partitions=config.clients, timeout=_timeout(config)
+        )
     except BaseException:  # Ctrl-C or a failed run: the calls still queued or running serve nobody
         grid.shutdown(cancel=True)
         raise
@@ -119,7 +132,11 @@ def _run_flower_simulation(
             time.sleep(0.1)
         partition_of = partition_ids(grid, nodes)
         grid = clocked_grid(PartitionOrderedGrid(grid, partition_of), config, task, partition_of)
-        histories.append(run_federated(grid, app_config, listeners, num_partitions=config.clients))
+        histories.append(
+            run_federated(
+                grid, app_config, listeners, num_partitions=config.clients, timeout=_timeout(config)
+            )
+        )
 
     cpus = os.cpu_count() or 1
     flower_run_simulation(

@@ -39,6 +39,7 @@ def run_mqtt_simulation(
     workdir: str | Path | None = None,
     coordinator_url: str | None = None,
     schedule: Schedule | None = None,
+    round_timeout_s: float = 600.0,
 ) -> RunHistory:
     """Start (or use) a broker, ``clients`` agent processes and the coordinator; run the app; stop them.
 
@@ -60,6 +61,8 @@ def run_mqtt_simulation(
     schedule : Schedule, optional
         The coordinator's schedule, in real seconds: the deadline, over-selection and memory-aware sampling
         apply to the agents' real replies (:class:`fedge.server.schedule_grid.ScheduledGrid`).
+    round_timeout_s : float (default: 600)
+        Seconds the coordinator waits for a round's replies (its ``round_timeout_s``).
     """
     workdir = Path(workdir or tempfile.mkdtemp(prefix="fedge-mqtt-sim-"))
     with ExitStack() as stack:
@@ -84,6 +87,7 @@ def run_mqtt_simulation(
             wait_for_nodes_s=600.0 + 10.0 * clients,
             node_stall_s=90.0,
             schedule=schedule or Schedule(),
+            round_timeout_s=round_timeout_s,
         )
         # a simulation exports only when asked (the service's own default is every round)
         app = (

@@ -74,6 +74,7 @@ def test_the_config_files_out_dir_is_where_the_run_writes_unless_out_is_given(tm
         ([], 'codec = "fp32"\nserver_lr = inf\n', "server_lr must be > 0 and finite"),
         (["--codec", "fp32", "--server-lr", "inf"], None, "server_lr must be > 0 and finite"),
         ([], "alpha = nan\n", "alpha must be a number, got nan"),
+        ([], "round_timeout_s = 0\n", "round_timeout_s must be > 0 and finite"),
         (["--alpha", "inf"], None, "alpha must be > 0 and finite"),
         (["--broker", "mqtt://127.0.0.1:1"], None, "broker is for the mqtt engine"),
         (["--out", "pyproject.toml"], None, "--out pyproject.toml is a file, not a directory"),
@@ -359,3 +360,28 @@ def test_a_run_whose_replies_screening_rejects_says_what_the_reason_means(tmp_pa
     assert result.exit_code == 1, result.output
     (error,) = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert "rejected by screening: bad_weight x2 (bad_weight: num-examples missing" in error
+
+
+HANGING_TASK = """
+import threading
+
+from fedge.app.task import DigitsTask
+
+
+class Hangs(DigitsTask):
+    def train(self, model, data, config):
+        threading.Event().wait()  # never returns
+"""
+
+
+def test_a_hanging_train_fails_the_run_after_round_timeout_s(tmp_path):
+    """Each round waited an hour for it, and no setting of fedge simulate could change that."""
+    (tmp_path / "hangs.py").write_text(HANGING_TASK)
+    (tmp_path / "run.toml").write_text("round_timeout_s = 1.0\n")
+    args = ["simulate", "--config", str(tmp_path / "run.toml"), "--task", f"{tmp_path / 'hangs.py'}:Hangs"]
+    result = runner.invoke(app, [*args, "--clients", "2", "--rounds", "5", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 1, result.output
+    assert (
+        "no client update was accepted in 3 consecutive rounds; first: no client replied in time"
+        in result.output
+    )
