@@ -378,5 +378,6 @@ class ModelServer:
     def _refuse(self, reason: str, message: str, build_s: float, version: str | None) -> SwapResult:
         self.count_refusal(reason)
         previous = self._current.version if self._current else None
-        log.warning("model %s refused (%s); still serving %s", version, message, previous)
+        serving = f"still serving {previous}" if previous else "no model is served yet"
+        log.warning("model %s refused (%s); %s", version, message, serving)
         return SwapResult(False, previous or "", previous, reason=reason, message=message, build_s=build_s)
