@@ -168,6 +168,7 @@ def run_service(
         to devices; an exception in it is logged and counted (``export_publish_failures``), never raised.
     """
     state_dir = Path(config.state_dir)
+    make_state_dir(state_dir)  # before the broker: a state_dir that cannot be made is said first
     with contextlib.ExitStack() as stack:
         devices = None
         if on_model_exported is None and config.publish_models and run.exporter is not None:

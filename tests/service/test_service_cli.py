@@ -28,6 +28,11 @@ runner = CliRunner()
         ("coordinator", 'state_dir = "s"\nmodel_delta_codec = "fp12"\n', "model_delta_codec"),
         ("serve", 'node_id = "n1"\nmodel_dir = "m"\nmodel_work_nice = 25\n', "model_work_nice must be in"),
         ("coordinator", 'state_dir = "s"\nnode_keys_dir = "/nonexistent"\n', "holds no <node>.key files"),
+        (
+            "coordinator",
+            'state_dir = "service.toml"\n[mqtt]\nbroker_url = "mqtt://127.0.0.1:1"\n',
+            "cannot create the state directory service.toml",  # said before the broker is tried
+        ),
         ("agent", 'node_id = "a b"\nstate_dir = "s"\n', "node id"),
         ("agent", 'state_dir = "s"\n', "node_id"),
         ("agent", 'node_id = "n1"\nstate_dir = "s"\nclient_app = "nowhere:app"\n', "does not import"),
