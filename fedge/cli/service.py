@@ -77,7 +77,7 @@ def agent(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         device.run_forever(stop)
-    except ConnectionError as err:
+    except (ConnectionError, ConfigError) as err:  # ConfigError: another process holds its node id
         raise fail(str(err)) from None
     except KeyboardInterrupt:
         pass

@@ -73,6 +73,8 @@ __all__ = ["REFERENCE_TASK", "AgentConfig", "DeviceAgent", "load_client_app", "r
 
 log = logging.getLogger(__name__)
 
+_CONFLICT_WINDOW_S = 60.0  # how recent another session's announcement must be to explain flapping
+
 _JOURNAL_SIZE = 4096  # answered ids kept (about 60 bytes each) before the earliest-expiring are evicted
 
 
@@ -159,6 +161,8 @@ class DeviceAgent:
         self._unsent_lock = threading.Lock()
         self._endpoint = NodeEndpoint(config.mqtt, config.node_id, on_message=self._on_delivery)
         self._endpoint.channel.add_timer(lambda _now: self.forget_sent())
+        self._endpoint.channel.connection.on_flapping = self._flapping
+        self.conflict = ""  # set when another live process holds this node id: run_forever stops
         self.handled = 0
         self.refused: Counter[str] = Counter()
         self._refusal_log = RejectionLog()
@@ -180,13 +184,30 @@ class DeviceAgent:
         stop = stop or threading.Event()
         self.start()
         try:
-            while not stop.wait(0.5):
+            while not stop.wait(0.5) and not self.conflict:
                 pass
         finally:
             self.close()
+        if self.conflict:
+            raise ConfigError(self.conflict)
 
     def close(self) -> None:
+        self.forget_sent()  # before the channel fails what is still on its way: that stays in the inbox
         self._endpoint.close()
+
+    def _flapping(self) -> None:
+        """The broker keeps closing this agent's connection right after accepting it. With other sessions
+        announcing this node online meanwhile (:meth:`NodeEndpoint.foreign_sessions`), another live process
+        holds this node id: it answers some of the node's instructions from a state of its own, and the two
+        would train the node's updates from diverging contexts. This agent stops rather than go on (a lossy
+        link flaps, but announces no one else)."""
+        if self._endpoint.foreign_sessions(_CONFLICT_WINDOW_S) >= 2 and not self.conflict:
+            self.conflict = (
+                f"another live process uses node id {self.config.node_id!r} (it keeps announcing this node"
+                " online while the broker keeps closing this agent's connection): this agent stops; give each"
+                " agent its own node_id"
+            )
+            log.error("%s", self.conflict)
 
     def forget_sent(self) -> None:
         """Remove the inbox files of instructions whose replies the coordinator has (see the module
@@ -234,7 +255,7 @@ class DeviceAgent:
                 except _Refused as refused:
                     reply_bytes = self._refusal_bytes(instruction_id, refused)
                 else:
-                    context = state.context or self._fresh_context(message.metadata.run_id)
+                    context = self._context(state.context, message.metadata.run_id)
                     # The compact envelope where the reply's shape allows: the coordinator derives the rest.
                     reply_bytes = self._sign(_encoded(message, self._run_app(message, context)))
                     expires_at = message.metadata.created_at + message.metadata.ttl
@@ -316,10 +337,17 @@ class DeviceAgent:
         log.info("instruction %s done in %.2f s", message.metadata.message_id, time.perf_counter() - started)
         return reply
 
-    def _fresh_context(self, run_id: int) -> Context:
-        return make_context(
-            run_id, self.flower_node_id, {"node-name": self.config.node_id, **self.config.node_config}
-        )
+    def _context(self, saved: Context | None, run_id: int) -> Context:
+        """The saved Context (its state: residuals, counters), with the node config this agent's file
+        gives now: a restarted agent whose ``[node_config]`` was edited (its memory, its partition) kept
+        the values saved with the Context."""
+        node_config = {"node-name": self.config.node_id, **self.config.node_config}
+        if saved is None:
+            return make_context(run_id, self.flower_node_id, node_config)
+        if dict(saved.node_config) != node_config:
+            log.info("node_config changed since the state was saved; the agent's file is followed")
+            saved.node_config = node_config
+        return saved
 
     # -- state file: context, id and bytes of the last reply, journal; each length-prefixed ---------------
 

@@ -24,7 +24,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from fedge.transport.config import MqttConfig
-from fedge.transport.flapping import SESSION_TAKEN_OVER, FlapGuard
+from fedge.transport.flapping import FLAPS_TO_REPORT, SESSION_TAKEN_OVER, FlapGuard
 from fedge.transport.mqtt_text import mqtt_text
 from fedge.transport.probe import AUTH_FAILURES, UNSUPPORTED_PROTOCOL, detect_protocol
 
@@ -104,6 +104,8 @@ class MqttConnection:
         self.max_packet_size = config.max_packet_size or MQTT_MAX_PACKET
         self.receive_maximum = 65535
         self.connects = 0
+        self.on_flapping: Callable[[], None] | None = None
+        """Called at each close of a streak the guard reports (another live client likely uses this id)."""
         self._flaps = FlapGuard(config.reconnect_min_s, config.reconnect_max_s)
         self._client = self._make_client(self.protocol, client_id)
 
@@ -352,6 +354,8 @@ class MqttConnection:
             self._client.reconnect_delay_set(self._flaps.reconnect_delay_s(), self.config.reconnect_max_s)
             if self._on_disconnected is not None:
                 self._on_disconnected()
+            if self._flaps.flaps >= FLAPS_TO_REPORT and self.on_flapping is not None:
+                self.on_flapping()
 
     @staticmethod
     def _dispatch(handler: MessageHandler) -> Callable[[paho.Client, object, paho.MQTTMessage], None]:

@@ -6,6 +6,7 @@ came on, which the broker ACL lets only that node (and the coordinator, for inbo
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -35,6 +36,7 @@ _MAX_REMEMBERED_NODES = 10_000  # presence changes remembered for that; a flood 
 
 # A node starts a new session (reconnects) at most this often to outrank a newer LEFT/LOST of its own id.
 _RENEW_MIN_INTERVAL_S = 10.0
+_EPOCHS_KEPT = 64  # sessions of this process, and of others announcing this node, remembered
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,8 @@ class NodeEndpoint(_Endpoint):
         self._renewed_at = float("-inf")
         self._status_lock = threading.Lock()  # orders our status announcements against close()'s LEFT
         self._leaving = False
+        self._own_epochs: collections.deque[int] = collections.deque(maxlen=_EPOCHS_KEPT)  # this process's
+        self._foreign: collections.OrderedDict[int, float] = collections.OrderedDict()  # epoch -> when seen
         super().__init__(
             config, config.client_id or f"fedge-{config.fleet}-{node_id}", on_message, self._will
         )
@@ -349,6 +353,7 @@ class NodeEndpoint(_Endpoint):
     def _will(self) -> Will:
         """paho thread, before each (re)connect: a new epoch, and the will that carries it."""
         self.epoch = self._epochs.next()
+        self._own_epochs.append(self.epoch)
         frame = encode_presence(PresenceFrame(PresenceStatus.LOST, self.epoch))
         return Will(self._presence_topic, frame, self.config.will_delay_s)
 
@@ -383,6 +388,10 @@ class NodeEndpoint(_Endpoint):
             return
         if not isinstance(frame, PresenceFrame) or frame.epoch == self.epoch:
             return
+        if frame.status is PresenceStatus.ONLINE and frame.epoch not in self._own_epochs:
+            self._foreign[frame.epoch] = time.monotonic()  # another session announced this node online
+            while len(self._foreign) > _EPOCHS_KEPT:
+                self._foreign.popitem(last=False)
         online, now, skew_s = (
             frame.status is PresenceStatus.ONLINE,
             time.time(),
@@ -414,6 +423,16 @@ class NodeEndpoint(_Endpoint):
             logger.warning(
                 "another connection uses node id %s (epoch %d > %d)", self.node_id, frame.epoch, self.epoch
             )
+
+    def foreign_sessions(self, within_s: float) -> int:
+        """Sessions not of this process that announced this node online in the last ``within_s`` seconds.
+
+        Two or more while the broker keeps closing our connection: another live process holds this node
+        id (each of its reconnects is a new session). A restart after a crash finds one, its dead
+        predecessor's; a lossy link finds only sessions of its own.
+        """
+        since = time.monotonic() - within_s
+        return sum(seen >= since for seen in list(self._foreign.values()))
 
     def _renew_session(self, now: float) -> None:
         """Pump thread: reconnect while a plausible newer LEFT/LOST of ours outranks our session.

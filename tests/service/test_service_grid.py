@@ -305,3 +305,72 @@ def test_compressed_replies_travel_in_the_compact_envelope(mqtt, tmp_path):
         assert row.bytes_up == row.extra["upload_wire_bytes"]
         assert row.extra["upload_wire_bytes"] - row.extra["upload_payload_bytes"] < 2 * 24
         assert row.extra["upload_payload_bytes"] < 2 * 1700
+
+
+def test_two_live_agents_with_one_node_id_stop_instead_of_sharing_its_instructions(mqtt, tmp_path):
+    """The broker handed the session back and forth; each agent answered the instructions it happened to
+    get from a state of its own, and a split run's accuracy changed silently (exit 0)."""
+    import threading
+
+    from fedge.config import ConfigError
+
+    config = mqtt()
+    agents = [reference_agent(config, tmp_path / name, "twin") for name in ("first", "second")]
+    errors: list[str] = []
+
+    def serve(agent: DeviceAgent) -> None:
+        try:
+            agent.run_forever()
+        except ConfigError as err:
+            errors.append(str(err))
+
+    threads = [threading.Thread(target=serve, args=(agent,), daemon=True) for agent in agents]
+    threads[0].start()
+    wait_until(lambda: agents[0]._endpoint.channel.connection.connected, 20)
+    threads[1].start()
+    wait_until(lambda: errors, 60)
+    assert "another live process uses node id 'twin'" in errors[0]
+    assert "give each agent its own node_id" in errors[0]
+    for agent, thread in zip(agents, threads, strict=True):  # the other stops too, or is stopped here
+        if thread.is_alive() and not agent.conflict:
+            agent.conflict = "stopped by the test"
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+def test_a_restarted_agent_follows_its_edited_node_config(mqtt, tmp_path, monkeypatch):
+    """The Context saved in state.bin kept the node_config of the first start: an agent restarted with more
+    memory (or another partition) went on reporting the old values."""
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        count = int(context.state["n"]["count"]) + 1 if "n" in context.state else 1
+        context.state["n"] = MetricRecord({"count": count})
+        metrics = MetricRecord({"count": count, "memory": float(context.node_config["memory-bytes"])})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    import fedge.client.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "load_client_app", lambda path: app)
+    replies = []
+    with MqttGrid(mqtt()) as grid:
+        for memory in (300_000, 1_048_576):
+            config = AgentConfig(
+                node_id="gina",
+                mqtt=mqtt(),
+                state_dir=str(tmp_path),
+                client_app="x:y",
+                node_config={"memory-bytes": memory},
+            )
+            agent = DeviceAgent(config)
+            agent.start()
+            try:
+                wait_until(lambda: grid.node_name(flower_node_id("gina")) is not None, 20)
+                (reply,) = grid.send_and_receive([_instruction(grid, "gina")], timeout=30)
+                replies.append(reply.content["metrics"])
+            finally:
+                agent.close()
+    assert [(r["count"], r["memory"]) for r in replies] == [(1, 300_000.0), (2, 1_048_576.0)]
