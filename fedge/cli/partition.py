@@ -58,6 +58,20 @@ def _load_model(spec: str) -> tuple[Any, Any]:
     return made
 
 
+def _captured(model: str) -> tuple[Any, Any, dict]:
+    """The ``--model`` factory's model exported and read (:func:`fedge.partitioning.onnx_graph.capture`);
+    ValueError in one line when it cannot be."""
+    from fedge.partitioning.onnx_graph import capture
+
+    torch_model, example = _load_model(model)
+    try:
+        return capture(torch_model, example)
+    except Exception as err:  # not a torch module, an input it cannot take, an op ONNX lacks, ...
+        raise ValueError(
+            f"--model {model!r}: cannot capture its graph: {type(err).__name__}: {error_line(err)}"
+        ) from None
+
+
 def _planned(
     model: str, devices: str, objective: str, batch: int, boundary: str, calibrate: bool, host_flops: float
 ) -> tuple[Any, Any, Any, Any]:
@@ -65,18 +79,11 @@ def _planned(
 
     from fedge.partitioning import CostModel, load_fleet, plan
     from fedge.partitioning.calibrate import calibrate as run_calibration
-    from fedge.partitioning.onnx_graph import capture
 
     if calibrate and not (math.isfinite(host_flops) and host_flops > 0):
         raise ValueError(f"--host-flops must be a positive number, got {host_flops}")
     fleet = load_fleet(devices)
-    torch_model, example = _load_model(model)
-    try:
-        onnx_model, graph, feeds = capture(torch_model, example)
-    except Exception as err:  # not a torch module, an input it cannot take, an op ONNX lacks, ...
-        raise ValueError(
-            f"--model {model!r}: cannot capture its graph: {type(err).__name__}: {error_line(err)}"
-        ) from None
+    onnx_model, graph, feeds = _captured(model)
     feed_bytes = batch * sum(v[:1].nbytes for v in feeds.values())
     if feed_bytes > _MAX_FEED_BYTES:
         raise ValueError(
@@ -253,8 +260,8 @@ def _run_over_mqtt(
 
     from fedge.partitioning import CostModel, load_fleet
     from fedge.partitioning.mqtt_runtime import MqttPipeline
-    from fedge.partitioning.onnx_graph import capture
     from fedge.partitioning.runtime import OrtExecutor
+    from fedge.protocol.fleet import validate_name
     from fedge.transport.config import MqttConfig
 
     if not (model and devices):
@@ -262,7 +269,9 @@ def _run_over_mqtt(
     with config_errors():
         config = MqttConfig(broker_url=broker, fleet=fleet)
         fleet_spec = load_fleet(devices)
-        onnx_model, graph, feeds = capture(*_load_model(model))
+        for device in fleet_spec.devices:  # each is a stage agent's node id on the broker
+            validate_name(device.name, "device name (a stage agent's node id)")
+        onnx_model, graph, feeds = _captured(model)
     feeds = _varied(feeds, repeat)
     try:
         with MqttPipeline(
@@ -274,12 +283,15 @@ def _run_over_mqtt(
             start = time.perf_counter()
             outputs = pipe.run(feeds, micro_batch or None)
             wall = time.perf_counter() - start
-    except (ConnectionError, TimeoutError, RuntimeError) as err:
+            final = pipe.plan or placed  # a device lost mid-run: its stage was re-placed
+    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:  # ValueError: a micro-batch join
         raise fail(str(err)) from None
     full = OrtExecutor(onnx_model.SerializeToString()).run(feeds)
     diff = _max_difference(outputs, full)
+    if final is not placed:
+        typer.echo(f"re-placed during the run:\n{final.explain()}")
     typer.echo(
-        f"{len(placed.stages)} stages on {', '.join(s.device for s in placed.stages)}: "
+        f"{len(final.stages)} stages on {', '.join(s.device for s in final.stages)}: "
         f"{len(next(iter(feeds.values())))} examples in {wall:.3f} s; max |chained - full| = {diff:.3g}"
     )
 

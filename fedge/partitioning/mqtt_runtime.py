@@ -52,11 +52,16 @@ def stage_artifact(device: str) -> str:
 
 
 class StageFailed(RuntimeError):
-    """A stage's device did not answer, or answered with an error or another stage's version."""
+    """A stage's device did not answer, or answered with an error or another stage's version.
 
-    def __init__(self, device: str, message: str) -> None:
+    ``refused``: the device answered this request with an error (too large for its ``max_request_bytes``,
+    inputs its stage cannot take): it is alive, and the same request would be refused again.
+    """
+
+    def __init__(self, device: str, message: str, *, refused: bool = False) -> None:
         super().__init__(f"stage on {device}: {message}")
         self.device = device
+        self.refused = refused
 
 
 @dataclass
@@ -71,8 +76,10 @@ class RemoteStage:
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
             answer = self.client.predict(self.device, inputs, timeout=self.timeout_s)
-        except (TimeoutError, InferenceError) as err:
+        except TimeoutError as err:
             raise StageFailed(self.device, f"{type(err).__name__}: {err}") from None
+        except InferenceError as err:
+            raise StageFailed(self.device, f"{type(err).__name__}: {err}", refused=True) from None
         if answer.version != self.version or not isinstance(answer.outputs, dict):
             raise StageFailed(self.device, f"answered with {answer.version!r}, expected {self.version!r}")
         return answer.outputs
@@ -224,7 +231,9 @@ class MqttPipeline:
     def run(
         self, feeds: dict[str, np.ndarray], micro_batch: int | None = None, *, max_replans: int = 2
     ) -> dict[str, np.ndarray]:
-        """Run ``feeds`` through the stages; a failed device is re-placed and the batch run again."""
+        """Run ``feeds`` through the stages; a device that stopped answering is re-placed and the batch run
+        again. A request a device refuses (:attr:`StageFailed.refused`) fails the run at once: waiting for
+        the device to go offline, then sending the same request again, ends the same way."""
         if self.runner is None:
             self.deploy()
         for attempt in range(max_replans + 1):
@@ -232,7 +241,7 @@ class MqttPipeline:
             try:
                 return self.runner.run(feeds, micro_batch)
             except StageFailed as err:
-                if attempt == max_replans:
+                if attempt == max_replans or err.refused:
                     raise
                 self._handle_failure(err)
         raise AssertionError("unreachable")

@@ -17,7 +17,7 @@ from waiting import wait_until
 from fedge.localnet import MosquittoBroker
 from fedge.partitioning import CostModel, Device, Fleet
 from fedge.partitioning.models import chain_cnn
-from fedge.partitioning.mqtt_runtime import MqttPipeline, stage_artifact
+from fedge.partitioning.mqtt_runtime import MqttPipeline, StageFailed, stage_artifact
 from fedge.partitioning.onnx_graph import capture
 from fedge.partitioning.runtime import OrtExecutor
 from fedge.partitioning.stages import load_runner
@@ -91,6 +91,17 @@ def test_three_stage_pipeline_over_mqtt_survives_a_killed_stage_agent(tmp_path):
                 out = pipeline.run(batch, micro_batch=1)
                 for name in local:
                     np.testing.assert_array_equal(out[name], local[name])
+
+                # A request over the 4 MiB message budgets is refused in an answer: the run
+                # fails at once (it waited for the device to go offline, then sent it again, twice).
+                row_bytes = sum(v[:1].nbytes for v in feeds.values())
+                big = {
+                    k: np.zeros((4 * 2**20 // row_bytes + 1, *v.shape[1:]), v.dtype) for k, v in feeds.items()
+                }
+                replans = pipeline.replans
+                with pytest.raises(StageFailed, match="4194304"):  # the budget, by whichever side
+                    pipeline.run(big)
+                assert pipeline.replans == replans and not pipeline.dead
         finally:
             for agent in agents.values():
                 if agent.poll() is None:

@@ -55,6 +55,15 @@ def centred():
 
 def wide():
     return nn.Sequential(nn.Flatten(), nn.Linear(3 * 128 * 128, 2)), torch.zeros(1, 3, 128, 128)
+
+
+class Raising(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("boom in forward")
+
+
+def forward_raises():
+    return Raising(), torch.zeros(1, 8)
 """
 
 DEVICES = """
@@ -114,6 +123,21 @@ def test_a_failing_factory_is_one_line_and_calibration_runs_a_two_input_model(fi
         files, "--model", f"{files / 'factories.py'}:two", "--calibrate"
     )  # a stage got every input
     assert result.exit_code == 0, result.output
+
+
+def test_a_model_that_cannot_be_captured_is_one_line_over_mqtt_too(files):
+    """The --broker path called capture() unwrapped: a 54-line traceback where plan said one line."""
+    model = f"{files / 'factories.py'}:forward_raises"
+    devices = str(files / "devices.toml")
+    args = ["partition", "run", "--broker", "mqtt://127.0.0.1:1", "--model", model, "--devices", devices]
+    result = runner.invoke(app, [*args, "--out", str(files / "o")])
+    assert result.exit_code == 2, result.output
+    assert "cannot capture its graph: RuntimeError: boom in forward" in result.output
+    assert "Traceback" not in result.output
+    (files / "slashed.toml").write_text('[[device]]\nname = "a/b"\nflops_per_s = 1e9\n')
+    args[args.index(devices)] = str(files / "slashed.toml")
+    result = runner.invoke(app, [*args, "--out", str(files / "o")])  # it waited 30 s for agent 'a/b'
+    assert result.exit_code == 2 and "device name (a stage agent's node id) 'a/b' must be" in result.output
 
 
 def test_a_damaged_stage_directory_is_one_line(files):
