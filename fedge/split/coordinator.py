@@ -19,9 +19,10 @@ profiles each round is charged on the simulated clock (:mod:`fedge.split.engine_
 Drops. A request nobody answered in ``step_timeout_s`` (the client died, its reply was lost) is asked again
 once the node is online, with the same gradient: the client applies it only if its front is still at the
 version that computed the activations, so nothing is applied twice and the client goes on from where its
-Context (on an agent: on disk) says it is. A dropped client costs at most the batch in flight, and only if
-it stays away for ``max_attempts`` exchanges; a client offline for the rest of the round (past
-``round_timeout_s``) contributes what the coordinator's side learned from it, not its front.
+Context (on an agent: on disk) says it is. A dropped client costs at most the batch in flight and the next
+(:mod:`fedge.split.session`), and only if it stays away for ``max_attempts`` exchanges; a client offline for
+the rest of the round (past ``round_timeout_s``) contributes what the coordinator's side learned from it, not
+its front, and the gradient it was owed counts as lost.
 """
 
 from __future__ import annotations
@@ -338,12 +339,15 @@ class SplitCoordinator:
             self.nodes[node] = _Node(hello.partition_id, hello.num_examples, plan)
             log.info("node %s: partition %d trains %s", node, hello.partition_id, plan.mode)
             if plan.mode == "none":
+                usable = self.config.memory.usable_fraction
                 log.warning(
-                    "node %s (partition %d) can train neither the model nor a front stage: it has %d bytes "
-                    "for training, the least it needs is %d",
+                    "node %s (partition %d) can train neither the model nor a front stage: it has %d bytes, "
+                    "of which training may use %d (usable_fraction %g); the least it needs is %d",
                     node,
                     hello.partition_id,
                     plan.device_bytes,
+                    int(plan.device_bytes * usable),
+                    usable,
                     plan.required_bytes,
                 )
 

@@ -87,6 +87,10 @@ class SplitServiceConfig:
         for key, hint in _SET_BY_SERVICE.items():
             if key in run or key.replace("_", "-") in run:
                 raise ConfigError(f"run.{key} is not set here: {hint}")
+        settable = sorted({f.name for f in dataclasses.fields(SplitAppConfig)} - set(_SET_BY_SERVICE))
+        for key in run:  # from_table would offer the keys set here as known ones
+            if str(key).replace("-", "_") not in settable:
+                raise ConfigError(f"unknown key 'run.{key}'; known keys: {', '.join(settable)}")
         state_dir = values.pop("state_dir", "")
         if not isinstance(state_dir, str):
             raise ConfigError(f"state_dir must be a string, got {state_dir!r}")

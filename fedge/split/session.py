@@ -4,7 +4,9 @@ A :class:`SplitSession` writes each request (:meth:`SplitSession.request`) and r
 (:meth:`SplitSession.settle`). It owes the client the gradient of its last batch until a reply shows the
 client's front has moved past the version that gradient was computed against (applied now, or by an
 earlier request whose reply was lost), so an unanswered request is simply asked again. After
-``max_attempts`` unanswered requests the batch in flight is given up: that is all a drop can cost.
+``max_attempts`` unanswered requests the batch in flight is given up (the gradient the client never
+applied, and the next batch it was asked for, which it skips): that is all a drop can cost. A client still
+at work when the round's time runs out loses the gradient it is owed (:meth:`SplitSession.cut_off`).
 
 U-shaped, a batch takes two exchanges: its activations come up and the server stage's output (kept with
 the version of the front that computed them) is owed to the client until a reply carries the gradient at
@@ -192,6 +194,18 @@ class SplitSession:
         self.server_steps += 1
         self.loss[0] += loss * samples
         self.loss[1] += samples
+
+    def cut_off(self) -> None:
+        """The round's time ran out before this client handed in its front: the batch it owes the
+        coordinator an answer for is lost (a gradient the coordinator's side stepped on and the client never
+        applied, or, U-shaped, a server-stage output its head never answered)."""
+        if self.middle is not None:
+            self.middle = None
+            self.back.discard(self.partition)
+            self.lost += 1
+        elif self.pending is not None:
+            self.pending = None
+            self.lost += 1
 
     def _unanswered(self, max_attempts: int) -> None:
         self.attempts += 1

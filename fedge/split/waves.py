@@ -71,6 +71,8 @@ class WaveRunner:
         while active := [s for s in sessions if not s.done]:
             if time.monotonic() > deadline:
                 log.warning("round %d: %d split clients did not finish in time", server_round, len(active))
+                for s in active:  # the gradient each is owed will never be applied: counted as lost
+                    s.cut_off()
                 break
             online = set(self.grid.get_node_ids())
             ready = [s for s in active if s.node in online]

@@ -112,21 +112,25 @@ def test_a_dropped_request_or_reply_costs_no_batch(grid) -> None:
 
 
 class _DeadSplitClient:
-    """The local Grid, but one split client never answers: each request to it waits out its timeout."""
+    """The local Grid, but one split client never answers (after its first ``answers`` split steps): each
+    request to it waits out its timeout."""
 
-    def __init__(self, grid: LocalGrid, victim: int) -> None:
+    def __init__(self, grid: LocalGrid, victim: int, answers: int = 0) -> None:
         self.grid, self.victim, self.silence = grid, victim, threading.Event()
+        self.answers = answers
 
     def __getattr__(self, name: str):
         return getattr(self.grid, name)
 
+    def _answers(self, message) -> bool:
+        if message.metadata.dst_node_id != self.victim or message.metadata.message_type != "train.split_step":
+            return True
+        self.answers -= 1
+        return self.answers >= 0
+
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
-        alive = [
-            m
-            for m in messages
-            if m.metadata.dst_node_id != self.victim or m.metadata.message_type != "train.split_step"
-        ]
+        alive = [m for m in messages if self._answers(m)]
         replies = list(self.grid.send_and_receive(alive, timeout=timeout)) if alive else []
         if len(alive) < len(messages):
             self.silence.wait(timeout)  # its reply never comes: the coordinator waits its step timeout
@@ -145,6 +149,20 @@ def test_full_clients_updates_count_when_a_dead_split_client_holds_the_waves_to_
     rounds = SplitCoordinator(_DeadSplitClient(grid, victim), config).run()  # type: ignore[arg-type]
     assert rounds[0].split_clients == 2  # the dead one among them
     assert {0, 2} <= set(rounds[0].trained) and 3 not in rounds[0].trained
+
+
+def test_a_split_client_cut_off_by_the_rounds_time_counts_the_gradient_it_never_applied(grid) -> None:
+    """It died after three steps; at the deadline the coordinator's side had stepped on its last batch, which
+    the client never will: lost_batches said 0."""
+    split = SplitFedConfig(rounds=1, batch_size=16, variant="v1")
+    config = SplitAppConfig(
+        split=split, profiles=PROFILES, min_nodes=4, round_timeout_s=3.0, step_timeout_s=0.5, max_attempts=50
+    )
+    victim = sorted(grid.get_node_ids())[3]
+    rounds = SplitCoordinator(_DeadSplitClient(grid, victim, answers=3), config).run()  # type: ignore[arg-type]
+    assert rounds[0].steps_by_partition["3"] == 3
+    cut_off = {1, 3} - set(rounds[0].trained)  # the split clients (PROFILES) without a front handed in
+    assert 3 in cut_off and 1 <= rounds[0].lost_batches <= len(cut_off)  # at most one gradient each
 
 
 def test_a_second_node_saying_a_partition_another_holds_is_left_out(caplog) -> None:

@@ -87,6 +87,16 @@ def test_bad_configuration_is_one_line_naming_the_key(tmp_path, text, message):
         SplitServiceConfig.from_toml(path)
 
 
+def test_an_unknown_run_key_lists_only_the_keys_run_may_set(tmp_path):
+    """It offered profiles, resume and state_dir, which [run] refuses."""
+    path = tmp_path / "split.toml"
+    path.write_text('[mqtt]\nbroker_url = "mqtt://127.0.0.1:1"\n[run]\nroundz = 3\n')
+    with pytest.raises(ConfigError, match=r"unknown key 'run\.roundz'; known keys: ") as raised:
+        SplitServiceConfig.from_toml(path)
+    known = set(str(raised.value).partition("known keys: ")[2].split(", "))
+    assert "min_nodes" in known and not {"profiles", "resume", "state_dir"} & known
+
+
 def test_resume_without_a_state_dir_fails_in_one_line(tmp_path):
     path = tmp_path / "split.toml"
     path.write_text('[mqtt]\nbroker_url = "mqtt://127.0.0.1:1"\n')
