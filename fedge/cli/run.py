@@ -175,7 +175,14 @@ def simulate(
             console.print(summary_table(RunHistory(config={}, rounds=completed), title=title))
         kept = _kept(out) if completed else ""
         console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
-        raise typer.Exit(143 if stopped_by else 130) from None
+        code = 143 if stopped_by else 130
+        if sim.engine == "ray":
+            # Flower's engine threads (not daemons) may still wait on actors Ray has shut down: the
+            # interpreter's exit joined them for good; what the run did is written and shown already
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        raise typer.Exit(code) from None
     console.print(summary_table(history, title=f"fedge simulate ({sim.engine})"))
     if (fleet := fleet_table(history)) is not None:
         console.print(fleet)

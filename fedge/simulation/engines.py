@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,6 +24,7 @@ from fedge.simulation.config import SimulationConfig
 from fedge.simulation.fleet import clocked_grid
 from fedge.simulation.local_grid import LocalGrid
 from fedge.simulation.partition_order import PartitionOrderedGrid, partition_ids
+from fedge.simulation.stoppable_grid import StoppableGrid
 
 __all__ = ["run_simulation"]
 
@@ -109,11 +112,21 @@ def _run_ray(
     # with this venv's site-packages among them), and leaves them: every process the caller started
     # afterwards inherited them. The run gets them; the caller gets its environment back.
     environment = dict(os.environ)
+    # ray.init makes SIGTERM exit the process (its handler replaces the caller's, and its C++ failure
+    # handler aborted first: exit 134, nothing written); the caller's handler is called in its place
+    handler = signal.getsignal(signal.SIGTERM)
+    os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
     try:
         return _run_flower_simulation(config, app_config, task, listeners)
+    except SystemExit as stopped:
+        if stopped.code == signal.SIGTERM and callable(handler):
+            handler(signal.SIGTERM, None)  # `fedge simulate`'s: SIGTERM ends the run as Ctrl-C does
+        raise
     finally:
         os.environ.clear()
         os.environ.update(environment)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
 
 
 def _run_flower_simulation(
@@ -123,31 +136,41 @@ def _run_flower_simulation(
 
     histories: list[RunHistory] = []
     server_app = ServerApp()
+    stop, stopped = threading.Event(), threading.Event()  # the caller was interrupted; the ServerApp ended
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        # every node's partition (the clock's clients; the order samples are drawn in): wait for all of them
-        deadline = time.monotonic() + 600
-        while len(nodes := sorted(grid.get_node_ids())) < config.clients and time.monotonic() < deadline:
-            time.sleep(0.1)
-        partition_of = partition_ids(grid, nodes)
-        grid = clocked_grid(PartitionOrderedGrid(grid, partition_of), config, task, partition_of)
-        histories.append(
-            run_federated(
-                grid, app_config, listeners, num_partitions=config.clients, timeout=_timeout(config)
+        try:
+            grid = StoppableGrid(grid, stop)
+            # every node's partition (the clock's clients; the order samples are drawn in): wait for all
+            deadline = time.monotonic() + 600
+            while len(nodes := sorted(grid.get_node_ids())) < config.clients and time.monotonic() < deadline:
+                stop.wait(0.1)
+            partition_of = partition_ids(grid, nodes)
+            grid = clocked_grid(PartitionOrderedGrid(grid, partition_of), config, task, partition_of)
+            histories.append(
+                run_federated(
+                    grid, app_config, listeners, num_partitions=config.clients, timeout=_timeout(config)
+                )
             )
-        )
+        finally:
+            stopped.set()
 
     cpus = os.cpu_count() or 1
-    flower_run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=config.clients,
-        backend_config={
-            "client_resources": {"num_cpus": max(1, cpus // config.workers), "num_gpus": 0.0},
-            "init_args": {"num_cpus": cpus, "include_dashboard": False},
-        },
-    )
+    try:
+        flower_run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=config.clients,
+            backend_config={
+                "client_resources": {"num_cpus": max(1, cpus // config.workers), "num_gpus": 0.0},
+                "init_args": {"num_cpus": cpus, "include_dashboard": False},
+            },
+        )
+    except BaseException:  # Ctrl-C or SIGTERM: the ServerApp thread writes what it completed, then ends
+        stop.set()
+        stopped.wait(60)
+        raise
     if not histories:
         raise RuntimeError("Flower's simulation engine ended without running the ServerApp")
     return histories[0]
