@@ -9,11 +9,15 @@ the end of a run that never trained.
 from __future__ import annotations
 
 import logging
+import re
 
 from fedge.reporting.history import RoundMetrics, RunHistory
 from fedge.server.screening import REJECTION_MEANINGS
 
 __all__ = ["FailureWatch", "RunFailed", "error_summary", "trained"]
+
+_FLOWER_REASON = re.compile(r"^<class '([\w.]+)'>:<'(.*)'>$", re.DOTALL)
+_CLIENT_APP_EXCEPTION = re.compile(r"^\s*Exception \w+ occurred\. Message: ")
 
 log = logging.getLogger("fedge.server.runner")  # the runner's lines, as they were
 
@@ -125,7 +129,17 @@ def _rejections(metrics: RoundMetrics) -> str:
 
 
 def error_summary(text: str) -> str:
-    """The line of a traceback people need first: its last, with the partition named in its first."""
+    """The line of a traceback people need first: its last, with the partition named in its first.
+
+    A reason Flower wrote (Ray's and the deployment engine's SuperNodes catch the ClientApp's exception
+    themselves) is ``<class 'module.Error'>:<'message'>``, the message of a ``ClientAppException``
+    prefixed with "Exception ClientAppException occurred. Message: ": it is read as ``Error: message``.
+    """
+    wrapped = _FLOWER_REASON.match(text.strip())
+    if wrapped is not None:
+        name, message = wrapped.group(1).rsplit(".", 1)[-1], wrapped.group(2).strip()
+        message = _CLIENT_APP_EXCEPTION.sub("", message).strip()
+        text = message if name == "ClientAppException" else f"{name}: {message}"
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return ""

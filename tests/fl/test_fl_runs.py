@@ -378,3 +378,32 @@ def test_a_tasks_train_errors_and_non_numbers_are_named_in_the_reply(tmp_path):
                 run_federated(grid, config, [], strategy=FedAvg(fraction_evaluate=0.0, min_available_nodes=2))
         finally:
             grid.shutdown()
+
+
+_RAY_REASON = (
+    "<class 'flwr.clientapp.client_app.ClientAppException'>:<'\nException ClientAppException occurred. "
+    "Message: task t: train() raised RuntimeError: boom'>"
+)
+
+
+@pytest.mark.parametrize(
+    ("reason", "summary"),
+    [
+        # the local engine: fedge's own reply, the partition first and the traceback after
+        (
+            "partition 1: Traceback (most recent call last):\n  File x\nValueError: bad",
+            "partition 1: ValueError: bad",
+        ),
+        # a deployment SuperNode: Flower's "<class ...>:<'...'>"
+        (
+            "<class 'fedge.app.task_checks.TaskContractError'>:<'task t: train() raised RuntimeError: boom'>",
+            "TaskContractError: task t: train() raised RuntimeError: boom",
+        ),
+        # Ray's actors: a ClientAppException around the task's message (it ended in a stray "'>")
+        (_RAY_REASON, "task t: train() raised RuntimeError: boom"),
+    ],
+)
+def test_a_client_errors_summary_reads_every_engines_reason(reason, summary):
+    from fedge.server.run_failures import error_summary
+
+    assert error_summary(reason) == summary
