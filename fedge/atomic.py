@@ -12,12 +12,21 @@ from typing import Any
 
 __all__ = ["fsync_dir", "write_bytes_atomic", "write_json_atomic"]
 
+_UMASK = os.umask(0o022)  # read once, at import (setting it is the only way to read it), and put back
+os.umask(_UMASK)
+
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same directory, fsync it, then rename it over ``path``."""
+    """Write to a temporary file in the same directory, fsync it, then rename it over ``path``.
+
+    The file gets the permissions ``open()`` would give it (``0o666`` less the umask): ``mkstemp`` makes it
+    ``0o600``, and ``metrics.json`` was unreadable to the other users who could read the plots beside it.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        with contextlib.suppress(OSError, AttributeError):  # no modes here (FAT, Windows' os)
+            os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -459,6 +459,18 @@ def test_a_nan_figure_of_the_global_model_is_warned_about_once(tmp_path, caplog,
     assert len(warned) == 1 and "round 1" in warned[0].getMessage()
 
 
+def test_files_written_atomically_get_the_permissions_open_would_give(tmp_path):
+    """mkstemp's 0o600 made metrics.json unreadable to other users who could read the plots beside it."""
+    import os
+
+    from fedge.atomic import write_json_atomic
+
+    umask = os.umask(0o022)  # reading it means setting it: put back at once
+    os.umask(umask)
+    write_json_atomic(tmp_path / "m.json", {"a": 1})
+    assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o666 & ~umask != 0o600
+
+
 def test_metrics_json_is_strict_json_when_a_figure_is_nan(tmp_path):
     """NaN is not JSON: jq, JavaScript and strict parsers refuse Python's NaN; it is written as null."""
     import math
