@@ -136,10 +136,12 @@ def _run_flower_simulation(
 
     histories: list[RunHistory] = []
     server_app = ServerApp()
-    stop, stopped = threading.Event(), threading.Event()  # the caller was interrupted; the ServerApp ended
+    # the caller was interrupted; the ServerApp started; it ended
+    stop, started, stopped = threading.Event(), threading.Event(), threading.Event()
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
+        started.set()
         try:
             grid = StoppableGrid(grid, stop)
             # every node's partition (the clock's clients; the order samples are drawn in): wait for all
@@ -169,7 +171,8 @@ def _run_flower_simulation(
         )
     except BaseException:  # Ctrl-C or SIGTERM: the ServerApp thread writes what it completed, then ends
         stop.set()
-        stopped.wait(60)
+        if started.is_set():
+            stopped.wait(60)
         raise
     if not histories:
         raise RuntimeError("Flower's simulation engine ended without running the ServerApp")
