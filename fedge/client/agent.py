@@ -55,7 +55,8 @@ from fedge.flower.node import call_client_app, error_reply, make_context
 from fedge.importing import import_attribute
 from fedge.protocol.envelope import encode_message
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
-from fedge.transport.endpoints import Delivery, NodeEndpoint
+from fedge.transport.endpoints import Delivery
+from fedge.transport.node_endpoint import NodeEndpoint
 from fedge.transport.rejections import RejectionLog
 from fedge.transport.sender import TransferError, TransferHandle
 from fedge.transport.signing import (

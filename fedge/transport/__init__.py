@@ -22,7 +22,8 @@ from fedge.lazy import lazy_exports
 if TYPE_CHECKING:
     from fedge.transport.channel import ReliableChannel
     from fedge.transport.config import BrokerAddress, MqttConfig, TransferSettings
-    from fedge.transport.endpoints import CoordinatorEndpoint, Delivery, NodeEndpoint
+    from fedge.transport.endpoints import CoordinatorEndpoint, Delivery
+    from fedge.transport.node_endpoint import NodeEndpoint
     from fedge.transport.presence import NodeStatus
     from fedge.transport.receiver import ReceiverStats
     from fedge.transport.sender import SenderStats, TransferError, TransferHandle
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 _HOMES = {
     "channel": ["ReliableChannel"],
     "config": ["BrokerAddress", "MqttConfig", "TransferSettings"],
-    "endpoints": ["CoordinatorEndpoint", "Delivery", "NodeEndpoint"],
+    "endpoints": ["CoordinatorEndpoint", "Delivery"],
+    "node_endpoint": ["NodeEndpoint"],
     "presence": ["NodeStatus"],
     "receiver": ["ReceiverStats"],
     "sender": ["SenderStats", "TransferError", "TransferHandle"],

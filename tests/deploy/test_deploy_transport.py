@@ -13,7 +13,8 @@ import time
 from deploy_broker import NODES
 
 from fedge.transport.config import MqttConfig, TransferSettings
-from fedge.transport.endpoints import CoordinatorEndpoint, NodeEndpoint
+from fedge.transport.endpoints import CoordinatorEndpoint
+from fedge.transport.node_endpoint import NodeEndpoint
 
 NODE_A, NODE_B = NODES
 FLEET = "deploy-test"
