@@ -16,7 +16,7 @@ It does three things, each on its own thread:
   version, p50/p95/p99 latency, request and swap counters and the recent swap log; the broker publishes an
   offline status (the last will) if the agent dies.
 
-Nothing here imports torch or Flower: ``pip install 'fedge[infer]'`` is enough (onnxruntime, numpy,
+Nothing here imports torch or Flower: fedge with the ``infer`` extra's packages is enough (onnxruntime, numpy,
 paho-mqtt and typer; signed model headers are checked without ``cryptography``).
 """
 
