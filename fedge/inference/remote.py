@@ -59,7 +59,9 @@ class InferenceClient:
     config : MqttConfig
         Broker and fleet (the broker must speak MQTT 5).
     client_id : str, optional
-        This requester's name (its response topic); a random one by default.
+        This requester's MQTT client id; a random one by default. Its answers come under its broker
+        username (``config.username``; without one, under this id): the broker's ACL lets only that user
+        read them, and a client id, which any user may claim, is not checked against the user.
     max_answer_bytes : int, default 64 MiB
         Largest answer accepted.
     chunk_bytes : int, default 256 KiB
@@ -80,7 +82,8 @@ class InferenceClient:
         self.max_answer_bytes = max_answer_bytes
         self.chunk_bytes = chunk_bytes
         self._answers = MessageAssembler(max_answer_bytes, max_open=64)
-        self._reply_topic = self.topics.infer_reply(self.client_id)
+        self.reply_name = config.username or self.client_id  # the level its answers come under
+        self._reply_topic = self.topics.infer_reply(self.reply_name)
         self._pending: dict[bytes, Future[Prediction]] = {}
         self._targets: dict[bytes, str] = {}  # correlation -> the device asked (its answers' budget)
         self._lock = threading.Lock()
@@ -123,9 +126,10 @@ class InferenceClient:
             self._targets[correlation] = node_id
         payload = encode_arrays(inputs) if isinstance(inputs, dict) else encode_array(inputs)
         topic, chunks = self.topics.infer_request(node_id), split_message(payload, self.chunk_bytes)
+        answer_topic = self.topics.infer_reply(self.reply_name, node_id)
         for index, chunk in enumerate(chunks):
             tag = ((CHUNK_PROPERTY, f"{index}/{len(chunks)}"),) if len(chunks) > 1 else ()
-            properties = MessageProperties(self.topics.infer_reply(self.client_id, node_id), correlation, tag)
+            properties = MessageProperties(answer_topic, correlation, tag)
             self.connection.publish(topic, chunk, qos=1 if tag else 0, message_properties=properties)
         return future
 
@@ -151,7 +155,7 @@ class InferenceClient:
             device = self._targets.get(correlation)
         if device is None:
             return  # a late answer to a request that timed out, or not ours
-        if topic != self.topics.infer_reply(self.client_id, device):  # another device answering for it
+        if topic != self.topics.infer_reply(self.reply_name, device):  # another device answering for it
             self.forged += 1
             return
         if CHUNK_PROPERTY in fields:  # one chunk of a large answer

@@ -96,14 +96,15 @@ class Topics:
         """Subscription filter for every node's serving status."""
         return f"{self._root}/infer/+/status"
 
-    def infer_reply(self, client_id: str, node_id: str | None = None) -> str:
-        """Where ``node_id`` answers the inference requests of ``client_id`` (their response topic); without
-        ``node_id``, the level under which every device's answers to ``client_id`` go.
+    def infer_reply(self, requester: str, node_id: str | None = None) -> str:
+        """Where ``node_id`` answers the inference requests of ``requester`` (their response topic); without
+        ``node_id``, the level under which every device's answers to ``requester`` go.
 
-        The device's id ends the topic so that the broker's ACL lets only that device write it, and only the
-        requester (by its client id) read it (:meth:`mosquitto_acl`).
+        ``requester`` is the requester's broker username (its client id on a broker without users): the
+        device's id ends the topic so that the broker's ACL lets only that device write it, and only that
+        user read it (:meth:`mosquitto_acl`; a client id would not do, since any user may claim one).
         """
-        base = f"{self._root}/infer-reply/{validate_name(client_id, 'client id')}"
+        base = f"{self._root}/infer-reply/{validate_name(requester, 'requester (username or client id)')}"
         return base if node_id is None else f"{base}/{validate_name(node_id, 'node id')}"
 
     def mosquitto_acl(self, coordinator_user: str = "coordinator") -> str:
@@ -133,8 +134,8 @@ class Topics:
                 f"pattern read {root}/infer/%u/request",
                 f"pattern write {root}/infer/%u/status/#",
                 f"pattern read {root}/artifact/#",
-                # answers: a requester reads its own (by client id); a device writes only as itself
-                f"pattern read {root}/infer-reply/%c/#",
+                # answers: a requester reads its own (by username); a device writes only as itself
+                f"pattern read {root}/infer-reply/%u/#",
                 f"pattern write {root}/infer-reply/+/%u",
                 "",
             ]

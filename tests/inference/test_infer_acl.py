@@ -65,8 +65,12 @@ def test_only_the_device_asked_answers_and_only_its_requester_reads(mqtt, varian
             properties = Properties(PacketTypes.PUBLISH)
             properties.CorrelationData = b"\0" * 16
             properties.UserProperty = [("status", "ok"), ("version", "forged")]
+            # answers come under the requester's username, which the ACL checks (%u), not under its client
+            # id (%c), which any user may claim
+            assert client.reply_name == "coordinator"
+            assert "pattern read fedge/" + config.fleet + "/infer-reply/%u/#" in topics.mosquitto_acl()
             for target in ("dev-1", "evil"):
-                topic = topics.infer_reply("requester", target)
+                topic = topics.infer_reply(client.reply_name, target)
                 evil.publish(topic, forged.tobytes(), qos=1, properties=properties).wait_for_publish(10)
             answer = future.result(10)
             assert answer.version != "forged" and not np.array_equal(answer.outputs, forged)
