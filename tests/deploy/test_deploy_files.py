@@ -279,3 +279,21 @@ def test_make_passwords_refuses_bad_input(tmp_path, args, needle):
     result = run_script("make-passwords.sh", "-d", str(tmp_path), *args)
     assert result.returncode == 2 and needle in result.stderr
     assert not (tmp_path / "mosquitto" / "passwd").exists()
+
+
+@pytest.mark.parametrize("anonymous", [False, True])
+def test_the_brokers_healthcheck_passes_only_when_it_refuses_an_anonymous_client(tmp_path, anonymous):
+    """It grepped 'Connection Refused', which the broker also says for a client without an id (refused by
+    allow_zero_length_clientid false before any password check): an open broker passed too."""
+    from fedge.localnet import MosquittoBroker
+
+    passwords = tmp_path / "passwd"
+    args = ["mosquitto_passwd", "-b", "-c", str(passwords), "u", "p"]
+    subprocess.run(args, check=True, capture_output=True)
+    options = ["allow_zero_length_clientid false", f"allow_anonymous {str(anonymous).lower()}"]
+    options += [] if anonymous else [f"password_file {passwords}"]
+    command = COMPOSE["services"]["mosquitto"]["healthcheck"]["test"][1]
+    with MosquittoBroker(tmp_path / "mq", extra_config=options) as broker:
+        check = command.replace("-p 1883", f"-p {broker.port}")
+        result = subprocess.run(["sh", "-c", check], capture_output=True, timeout=30)
+    assert (result.returncode == 0) is not anonymous
