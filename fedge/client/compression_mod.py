@@ -92,8 +92,9 @@ until the next instruction says whether it counted."""
 FEEDBACK_COUNTS_KEY = "fedge.feedback-counts"
 """``Context.state`` ConfigRecord: how the node's replies were settled, for the operator and the faults
 bench: ``delivered`` (payloads left pending), ``counted``, ``folded`` (back into the residual),
-``discarded`` (refused by the coordinator's screening) and ``lost`` (dropped unsettled: damaged, or the
-node's state was older than its replies). Every delivered payload is one of these, or still pending."""
+``discarded`` (refused by the coordinator's screening), ``replaced`` (trained again from the same model)
+and ``lost`` (dropped unsettled: damaged, or the node's state was older than its replies). Every delivered
+payload is one of these, or still pending."""
 RUN_KEY = "fedge.run"
 """``Context.state`` ConfigRecord: ``run``, the coordinator's run the error-feedback state belongs to."""
 
@@ -126,7 +127,11 @@ class CompressionMod:
             # Before anything else can fail: the verdict on the last reply is known now, and a node that
             # cannot train this round must not keep its payload waiting for a verdict already given.
             settle_pending(
-                context, instruction.counted, max_elements=self.max_elements, discarded=instruction.discarded
+                context,
+                instruction.counted,
+                max_elements=self.max_elements,
+                discarded=instruction.discarded,
+                base=instruction.version,
             )
             feedback = ErrorFeedback(
                 _codec(instruction.codec),
@@ -264,6 +269,7 @@ def settle_pending(
     *,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
     discarded: int | None = None,
+    base: int | None = None,
 ) -> None:
     """Settle the node's pending payload with the coordinator's ``counted``; it leaves ``Context.state``.
 
@@ -279,6 +285,11 @@ def settle_pending(
     discarded : int or None (default: None)
         The instruction's ``discarded``: the version of an update the coordinator refused as bad; that
         payload is dropped, not folded back.
+    base : int or None (default: None)
+        The instruction's ``version``: the model this node is about to train from. When it is the very
+        model an uncounted pending update was trained from (a resumed coordinator running the lost round
+        again, a FedBuff version that has not moved), the node trains that update again: folded back as
+        well, it would be sent twice. It is dropped (``replaced``).
     """
     if PENDING_KEY not in context.state:
         return
@@ -297,6 +308,15 @@ def settle_pending(
             "node %s: the update of version %d was refused by screening; dropped", context.node_id, version
         )
         _tally(context, "discarded")
+        return
+    if base == version:
+        log.info(
+            "node %s: the update of version %d did not count and is trained again from the same model; the"
+            " earlier one is dropped",
+            context.node_id,
+            version,
+        )
+        _tally(context, "replaced")
         return
     if counted > version:
         # The coordinator counted a later update than this node remembers sending: its state is older than
@@ -334,7 +354,7 @@ def settle_pending(
 def _tally(context: Context, outcome: str) -> None:
     """Count one settled (or delivered) payload in :data:`FEEDBACK_COUNTS_KEY`."""
     counts = context.state.get(FEEDBACK_COUNTS_KEY) or ConfigRecord(
-        {"delivered": 0, "counted": 0, "folded": 0, "discarded": 0, "lost": 0}
+        {"delivered": 0, "counted": 0, "folded": 0, "discarded": 0, "replaced": 0, "lost": 0}
     )
     counts[outcome] = int(counts.get(outcome, 0)) + 1
     context.state[FEEDBACK_COUNTS_KEY] = counts

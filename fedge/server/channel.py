@@ -23,11 +23,12 @@ messages do not carry it), so no client is ever told "counted" about an update t
 If the coordinator dies anywhere in steps 1–5 of round ``r``, ``--resume`` restores ``x_{r−1}`` and the
 map of round ``r − 1`` and runs round ``r`` again: an update aggregated into the lost ``x_r`` has
 version ``r`` while the restored map says at most ``r − 1`` for its node, so the node's next instruction
-(in the re-run or any later round) makes it fold the payload back; a node cannot be counted at ``r``
-again without first receiving a round-``r`` instruction, which settles the old payload first. If it dies
-after step 5, round ``r`` is complete and the next round starts from exactly the state clients were
-told. This requires a checkpoint after every round (the coordinator service writes one); with sparser
-checkpoints, what clients were told counted after the last one is lost on restart.
+settles it as not counted: in the re-run, which trains it again from the same model, the node drops it
+(folded back too, it would be sent twice); in a later round, it folds it back. A node cannot be counted
+at ``r`` again without first receiving a round-``r`` instruction, which settles the old payload first.
+If it dies after step 5, round ``r`` is complete and the next round starts from exactly the state
+clients were told. This requires a checkpoint after every round (the coordinator service writes one);
+with sparser checkpoints, what clients were told counted after the last one is lost on restart.
 """
 
 from __future__ import annotations

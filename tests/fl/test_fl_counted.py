@@ -305,3 +305,18 @@ def test_an_update_screening_refused_is_dropped_not_sent_again():
     assert PENDING_KEY not in context.state and context.state[FEEDBACK_COUNTS_KEY]["discarded"] == 1
     for name, values in _residual(context).items():
         np.testing.assert_array_equal(values, residual[name])  # nothing folded back
+
+
+def test_an_uncounted_update_trained_again_from_the_same_model_is_dropped_not_folded_back():
+    """A coordinator resumed after a crash runs the lost round again from the same model: a node that folded
+    its lost update back and trained it again sent it twice (a resumed fp32 run ended elsewhere than an
+    uninterrupted one)."""
+    from fedge.client.compression_mod import FEEDBACK_COUNTS_KEY
+
+    mod, context = CompressionMod(), _context()
+    _train(mod, context, 1, NOT_COUNTED)  # delivers version 1
+    _train(mod, context, 1, NOT_COUNTED)  # version 1 again: the same model, the update trained again
+    _train(mod, context, 2, NOT_COUNTED)  # the model moved on: the second version-1 update is folded back
+    counts = context.state[FEEDBACK_COUNTS_KEY]
+    assert (counts["delivered"], counts["replaced"], counts["folded"]) == (3, 1, 1)
+    # the values: tests/fl/test_fl_conservation.py (a crashed coordinator's lost round, run again)
