@@ -54,13 +54,15 @@ class RoundReport:
         metrics: dict[str, float] = {
             "accepted": self.accepted,
             "rejected": sum(self.rejected.values()),
-            "compression_ratio": self.dense_wire_bytes / self.wire_bytes if self.wire_bytes else 0.0,
-            "payload_compression_ratio": self.dense_bytes / self.payload_bytes if self.payload_bytes else 0.0,
             "upload_wire_bytes": self.wire_bytes,
             "upload_payload_bytes": self.payload_bytes,
             "downloads_delta": self.downloads_delta,
             "downloads_full": self.downloads_full,
             "download_payload_bytes": self.download_payload_bytes,
         }
+        if self.wire_bytes:  # a round without an accepted reply has no ratio (0.0 read as "worse than dense")
+            metrics["compression_ratio"] = self.dense_wire_bytes / self.wire_bytes
+        if self.payload_bytes:
+            metrics["payload_compression_ratio"] = self.dense_bytes / self.payload_bytes
         metrics.update({f"rejected_{reason}": self.rejected[reason] for reason in REJECTION_REASONS})
         return metrics

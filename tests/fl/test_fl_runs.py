@@ -407,3 +407,13 @@ def test_a_client_errors_summary_reads_every_engines_reason(reason, summary):
     from fedge.server.run_failures import error_summary
 
     assert error_summary(reason) == summary
+
+
+def test_a_round_without_an_accepted_reply_reports_no_compression_ratio():
+    """It reported 0.0, which reads as infinitely worse than dense in any plot or average."""
+    from fedge.server.report import RoundReport
+
+    empty = RoundReport().to_metrics()
+    assert "compression_ratio" not in empty and "payload_compression_ratio" not in empty
+    full = RoundReport(accepted=1, wire_bytes=10, dense_wire_bytes=100, payload_bytes=5, dense_bytes=40)
+    assert (full.to_metrics()["compression_ratio"], full.to_metrics()["payload_compression_ratio"]) == (10, 8)
