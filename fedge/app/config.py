@@ -318,7 +318,13 @@ class AppConfig:
             dense_only.pop("server_optimizer"), dense_only.pop("server_lr")
         needing_codec = [key for key, set_ in dense_only.items() if set_]
         if needing_codec and not self.codec:
-            raise ConfigError(f"{needing_codec[0]} needs codec (use codec 'fp32' for uncompressed updates)")
+            key, preset = needing_codec[0], PRESETS.get(self.compress, {})
+            if key in preset and preset[key] == getattr(self, key):  # the preset's, not the user's
+                raise ConfigError(
+                    f"codec is empty, and compress {self.compress!r} sets {key}, which needs one: leave codec"
+                    f" unset for the preset's ({preset.get('codec')!r}), or drop compress"
+                )
+            raise ConfigError(f"{key} needs codec (use codec 'fp32' for uncompressed updates)")
         checks = [
             (
                 self.full_model_codec in FULL_MODEL_CODECS,

@@ -93,8 +93,11 @@ def _parse_stage(text: str) -> list[Any]:
                 raise CodecConfigError(f"{name}: only the first parameter may omit its name, got {item!r}")
             key, value = "", key
         args[key] = value
-    if name == "stc":
-        return [_stage("topk", args, from_text=True), Sign()]
+    if name == "stc":  # top-k and sign: an error names the stage the user wrote, not its top-k
+        try:
+            return [_stage("topk", args, from_text=True), Sign()]
+        except CodecConfigError as err:
+            raise CodecConfigError(f"stc: {str(err).removeprefix('topk: ')}") from None
     return [_stage(name, args, from_text=True)]
 
 

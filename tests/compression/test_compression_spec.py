@@ -62,6 +62,7 @@ def test_spec_strings_build_the_expected_codec_and_round_trip(spec: str, expecte
         ("topk", "topk: missing parameter 'density'"),
         ("topk:1.5", "density must be in"),
         ("topk:nan", "density must be in"),
+        ("stc:1.5", "stc: density must be in"),  # it named the top-k the stage is made of
         ("topk:abc", "density must be float"),
         ("topk:0.1,mode=slow", "mode must be"),
         ("topk:0.1,speed=3", "unknown parameter 'speed'"),

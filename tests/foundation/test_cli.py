@@ -73,6 +73,8 @@ def test_the_config_files_out_dir_is_where_the_run_writes_unless_out_is_given(tm
         ([], "learning_rate = inf\n", "learning_rate must be > 0 and finite"),
         ([], 'codec = "fp32"\nserver_lr = inf\n', "server_lr must be > 0 and finite"),
         (["--codec", "fp32", "--server-lr", "inf"], None, "server_lr must be > 0 and finite"),
+        # it said "downlink_codec needs codec": the preset had set that
+        (["--compress", "max", "--codec", ""], None, "codec is empty, and compress 'max' sets downlink"),
         ([], "alpha = nan\n", "alpha must be a number, got nan"),
         ([], "round_timeout_s = 0\n", "round_timeout_s must be > 0 and finite"),
         (["--alpha", "inf"], None, "alpha must be > 0 and finite"),
