@@ -212,14 +212,12 @@ class SplitSession:
         if self.attempts < max_attempts:
             return  # asked again, with the same gradient, once the node is online
         self.attempts = 0
-        if self.middle is not None:  # U-shaped: the head never answered; the batch is lost
-            self.middle = None
-            self.back.discard(self.partition)
-            self.lost += 1
+        head_owed = self.middle is not None  # U-shaped: the head never answered
+        self.cut_off()  # the batch in flight is lost
+        if head_owed:
             return
-        self.lost += int(self.pending is not None) + int(self.cursor < self.steps)
-        self.pending = None
-        if self.cursor < self.steps:
+        if self.cursor < self.steps:  # and the next one, which the request asked for, is skipped
+            self.lost += 1
             self.cursor += 1
         else:
             self.done = True  # it never handed its front in
