@@ -37,7 +37,7 @@ from fedge.protocol.arrays import array_to_numpy
 from fedge.protocol.fleet import node_label
 from fedge.protocol.records import as_number
 from fedge.server.counted import counted_from_state, counted_state
-from fedge.server.metric_average import reported_metrics
+from fedge.server.metric_average import finite_number, reported_metrics
 from fedge.server.optimizers import statistics
 from fedge.server.screening import (
     REJECTION_REASONS,
@@ -260,8 +260,7 @@ def conform_replies(replies: list[Message], weighted_by_key: str = "num-examples
 
 def _own_or(value: Any, mean: float) -> Any:
     """A reply's value of a metric when it is a finite number, else the replies' mean."""
-    number = None if isinstance(value, list) else as_number(value)
-    return value if number is not None and math.isfinite(number) else mean
+    return value if finite_number(value) is not None else mean
 
 
 def _first_of(content: RecordDict, kind: type) -> Any:

@@ -17,7 +17,7 @@ from flwr.app import MetricRecord, RecordDict
 
 from fedge.protocol.records import as_number
 
-__all__ = ["average_metric_records", "metric_weight", "reported_metrics"]
+__all__ = ["average_metric_records", "finite_number", "metric_weight", "reported_metrics"]
 
 
 def average_metric_records(contents: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -40,8 +40,7 @@ def reported_metrics(records: Sequence[Mapping[str, Any]], weight_key: str) -> d
     for record in records:
         weight = metric_weight(record, weight_key) or 0.0
         for name, value in record.items():
-            number = None if isinstance(value, list) else as_number(value)
-            if name != weight_key and number is not None and math.isfinite(number):
+            if name != weight_key and (number := finite_number(value)) is not None:
                 values.setdefault(name, []).append((number, weight))
     figures = {}
     for name, pairs in values.items():
@@ -57,5 +56,12 @@ def reported_metrics(records: Sequence[Mapping[str, Any]], weight_key: str) -> d
 
 def metric_weight(record: Mapping[str, Any], weight_key: str) -> float | None:
     """A record's weight: a finite number of at least 0, else None."""
-    weight = as_number(record.get(weight_key))
-    return weight if weight is not None and math.isfinite(weight) and weight >= 0 else None
+    weight = finite_number(record.get(weight_key))
+    return weight if weight is not None and weight >= 0 else None
+
+
+def finite_number(value: Any) -> float | None:
+    """A metric's value as a finite float (:func:`~fedge.protocol.records.as_number`), else None (a list, a
+    string, NaN, infinity)."""
+    number = as_number(value)
+    return number if number is not None and math.isfinite(number) else None
