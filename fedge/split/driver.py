@@ -48,12 +48,11 @@ from fedge.split.rounds import (
 )
 from fedge.split.step import BackStage, FrontStage
 from fedge.split.timing import (
+    SplitFlops,
     StageFlops,
     StepCost,
     send_s,
     simulate_split_round,
-    split_stage_flops,
-    stage_flops,
 )
 
 __all__ = ["SplitFedRun", "evaluate"]
@@ -99,9 +98,8 @@ class SplitFedRun:
         self.plans, self.profiles, self.server = list(plans), list(profiles), server
         self.chain = as_chain(model)
         self.end = len(self.chain) - (config.head_layers if config.u_shaped else 0)
-        example = data[0][0][0]
-        self.full_flops = stage_flops(copy.deepcopy(model), example)
-        self._flops: dict[int, tuple[StageFlops, StageFlops, StageFlops]] = {}
+        self._flop_count = SplitFlops(model, data[0][0][0], self.end)
+        self.full_flops = self._flop_count.full
         self.links = {i: CutLink(config.cut) for i, p in enumerate(plans) if p.mode == "split"}
         self.feedback = {i: {} for i in range(len(plans))}  # error-feedback state of each client's updates
         self.model_bytes = 4 * sum(p.numel() for p in model.parameters())
@@ -118,10 +116,7 @@ class SplitFedRun:
 
     def flops(self, cut: int) -> tuple[StageFlops, StageFlops, StageFlops]:
         """Per-sample FLOPs of the front, the server-side stage and the (U-shaped) head at ``cut``."""
-        if cut not in self._flops:
-            chain = as_chain(copy.deepcopy(self.model))
-            self._flops[cut] = split_stage_flops(chain, self.data[0][0][0], cut, self.end)
-        return self._flops[cut]
+        return self._flop_count.at(cut)
 
     def run(self) -> SplitHistory:
         """Run every round; return the history (also kept in :attr:`history`)."""

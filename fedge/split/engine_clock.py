@@ -13,7 +13,6 @@ the clock is the round an undisturbed fleet with these links would take.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,15 +20,13 @@ import torch
 from torch import nn
 
 from fedge.devices.fleet import CATALOGUE, ClientProfile
-from fedge.split.model import as_chain
 from fedge.split.session import Exchange
 from fedge.split.timing import (
+    SplitFlops,
     StageFlops,
     StepCost,
     send_s,
     simulate_split_round,
-    split_stage_flops,
-    stage_flops,
 )
 
 __all__ = ["EngineClock", "SplitCharge"]
@@ -79,19 +76,15 @@ class EngineClock:
         parallel: bool = True,
         server: ClientProfile = CATALOGUE["server"],
     ) -> None:
-        self.model, self.example, self.end = copy.deepcopy(model), example, end
+        self._flop_count = SplitFlops(model, example, end)
         self.profiles, self.server_workers, self.server = list(profiles), server_workers, server
         self.parallel = parallel
-        self.full_flops = stage_flops(copy.deepcopy(model), example)
-        self._flops: dict[int, tuple[StageFlops, StageFlops, StageFlops]] = {}
+        self.full_flops = self._flop_count.full
         self.clock_s = 0.0
 
     def flops(self, cut: int) -> tuple[StageFlops, StageFlops, StageFlops]:
         """Per-sample FLOPs of the front, the server stage and the head at ``cut`` (counted once)."""
-        if cut not in self._flops:
-            chain = as_chain(copy.deepcopy(self.model))
-            self._flops[cut] = split_stage_flops(chain, self.example, cut, self.end)
-        return self._flops[cut]
+        return self._flop_count.at(cut)
 
     def full_s(self, partition: int, examples: int, epochs: int, down_bytes: int, up_bytes: int) -> float:
         """A full-model client's round: the model down, local training, its update up."""

@@ -14,6 +14,7 @@ order they arrive (an event simulation, computed, never slept).
 
 from __future__ import annotations
 
+import copy
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +25,10 @@ from torch import nn
 from fedge.app.flops import flop_counter
 from fedge.devices.clock import transfer
 from fedge.devices.fleet import LinkProfile
-from fedge.split.model import segment
+from fedge.split.model import as_chain, segment
 
 __all__ = [
+    "SplitFlops",
     "StageFlops",
     "StepCost",
     "send_s",
@@ -99,6 +101,33 @@ def split_stage_flops(
         stage_flops(middle, a[0]),
         stage_flops(head, m[0]) if len(head) else none,
     )
+
+
+class SplitFlops:
+    """A chain model's per-sample FLOPs, whole (:attr:`full`) and split at each cut (:meth:`at`, counted once
+    per cut), for the split engine's clock and the driver's.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model (copied: counting runs a backward through it).
+    example : torch.Tensor
+        One input sample without the batch dimension.
+    end : int
+        Where the U-shaped head begins (the chain's length when there is none).
+    """
+
+    def __init__(self, model: nn.Module, example: torch.Tensor, end: int) -> None:
+        self._model, self._example, self._end = copy.deepcopy(model), example, end
+        self.full = stage_flops(copy.deepcopy(model), example)
+        self._at: dict[int, tuple[StageFlops, StageFlops, StageFlops]] = {}
+
+    def at(self, cut: int) -> tuple[StageFlops, StageFlops, StageFlops]:
+        """The front's, the server stage's and the head's at ``cut`` (:func:`split_stage_flops`)."""
+        if cut not in self._at:
+            chain = as_chain(copy.deepcopy(self._model))
+            self._at[cut] = split_stage_flops(chain, self._example, cut, self._end)
+        return self._at[cut]
 
 
 def send_s(nbytes: float, link: LinkProfile, *, up: bool) -> float:
