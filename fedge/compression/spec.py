@@ -117,7 +117,9 @@ def _stage(name: str, args: Mapping[str, Any], *, from_text: bool) -> Any:
 
 def _make(cls: type, what: str, args: Mapping[str, Any], *, from_text: bool) -> Any:
     """Instantiate dataclass ``cls`` from ``args``, converting (text) or checking (TOML) each type."""
-    hints = {f: t for f, t in typing.get_type_hints(cls).items() if f in cls.__dataclass_fields__}
+    # dataclasses.fields() leaves out ClassVars (a stage's ``name``), which no spec may set
+    fields = {f.name for f in dataclasses.fields(cls)}
+    hints = {f: t for f, t in typing.get_type_hints(cls).items() if f in fields}
     unknown = sorted(set(args) - set(hints))
     if unknown:
         raise CodecConfigError(f"{what}: unknown parameter {unknown[0]!r}; expected one of {sorted(hints)}")

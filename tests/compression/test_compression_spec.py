@@ -65,7 +65,8 @@ def test_spec_strings_build_the_expected_codec_and_round_trip(spec: str, expecte
         ("stc:1.5", "stc: density must be in"),  # it named the top-k the stage is made of
         ("topk:abc", "density must be float"),
         ("topk:0.1,mode=slow", "mode must be"),
-        ("topk:0.1,speed=3", "unknown parameter 'speed'"),
+        ("topk:0.1,speed=3", r"'speed'; expected one of \['density', 'min_count', 'mode'\]"),
+        ("qsgd:4,name=x", "qsgd: unknown parameter 'name'"),  # a class attribute: TypeError, not one line
         ("topk:0.1,0.2", "only the first parameter"),
         ("qsgd:3", "bits must be 1, 2, 4 or 8"),
         ("qsgd:4.5", "bits must be int"),
