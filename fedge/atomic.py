@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "write_bytes_atomic", "write_json_atomic"]
+__all__ = ["fsync_dir", "strict_json", "write_bytes_atomic", "write_json_atomic"]
 
 _UMASK = os.umask(0o022)  # read once, at import (setting it is the only way to read it), and put back
 os.umask(_UMASK)
@@ -40,11 +40,20 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 def write_json_atomic(path: Path, payload: Any) -> None:
     """:func:`write_bytes_atomic` of indented, strict JSON: NaN and infinity (a diverged loss, a task's
     metric) are written as ``null``, which every JSON parser reads (Python's ``NaN`` is not JSON)."""
-    write_bytes_atomic(path, json.dumps(_finite(payload), indent=2, allow_nan=False).encode())
+    write_bytes_atomic(path, strict_json(payload, indent=2).encode())
+
+
+def strict_json(payload: Any, *, indent: int | None = None) -> str:
+    """``payload`` as strict JSON: non-finite floats (NumPy's too) become ``null``, since ``Infinity``
+    and ``NaN`` are Python's extensions, which JavaScript, Go and serde reject along with the whole text."""
+    return json.dumps(_finite(payload), indent=indent, allow_nan=False)
 
 
 def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (in dicts, lists and tuples)."""
+    """``value`` with every non-finite float replaced by None (in dicts, lists and tuples) and NumPy's
+    numbers made Python's."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        value = value.item()  # a NumPy scalar (bool_, float32, int64, ...) as Python's bool, float or int
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):

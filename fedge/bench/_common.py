@@ -8,7 +8,6 @@ rich table for people and, last on stdout, one JSON object for machines.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from fedge.atomic import strict_json
 
 __all__ = ["emit", "parse_args", "peak_rss_bytes", "timed"]
 
@@ -68,7 +69,7 @@ def emit(
         console.print({k: _fmt(v) for k, v in headline.items()})
     sys.stdout.flush()
     if as_json:
-        print(json.dumps(result, default=float))
+        print(strict_json(result))
 
 
 def _fmt(value: Any) -> str:

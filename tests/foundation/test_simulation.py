@@ -487,6 +487,25 @@ def test_metrics_json_is_strict_json_when_a_figure_is_nan(tmp_path):
     assert json.loads(text, parse_constant=refuse) == expected
 
 
+def test_a_benchs_json_line_is_strict_json(capsys):
+    """A bench's ``--json`` line is read by other languages: a baseline that never reached its target
+    (``tta_s`` infinite) was written as ``Infinity``, which JavaScript, Go and serde reject (heterogeneity
+    sweep); NumPy's scalars are written as numbers."""
+    import math
+
+    import numpy as np
+
+    from fedge.bench._common import emit
+
+    def refuse(name: str) -> None:
+        raise ValueError(name)
+
+    result = {"tta_s": math.inf, "headline": {"ok": np.bool_(True), "x": np.float32(0.5)}}
+    emit(result, as_json=True, title="t")
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(line, parse_constant=refuse) == {"tta_s": None, "headline": {"ok": True, "x": 0.5}}
+
+
 def test_a_library_user_runs_rounds_on_a_local_grid_without_flowers_runtime():
     """Nothing sets Flower's task identity outside its runtime: run_federated on a LocalGrid failed with
     'TaskIdentity.run_id is not set' unless the caller used a private function (library sweep). A fresh
