@@ -166,15 +166,15 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
         raise TraceError(f"{path}: availability trace must be a dict, got {type(table).__name__}")
     if not table:
         raise TraceError(f"{path}: availability trace has no clients")
-    intervals, periods = {}, {}
+    intervals, periods, past = {}, {}, []
     for client, entry in table.items():
         if not isinstance(entry, dict):
             raise TraceError(f"{path}: client {client!r} must map to a dict")
         active, inactive = entry.get("active"), entry.get("inactive")
         if not isinstance(active, list) or not isinstance(inactive, list) or len(active) != len(inactive):
             raise TraceError(f"{path}: client {client!r} needs 'active' and 'inactive' lists of equal length")
-        starts = [_number(v, f"client {client!r} active") for v in active]
-        ends = [_number(v, f"client {client!r} inactive") for v in inactive]
+        starts = [_number(v, f"{path}: client {client!r} active") for v in active]
+        ends = [_number(v, f"{path}: client {client!r} inactive") for v in inactive]
         for start, end in zip(starts, ends, strict=True):  # a reversed or empty interval is a broken trace
             if not 0 <= start < end:
                 raise TraceError(
@@ -182,7 +182,7 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
                     "want 0 <= active < inactive"
                 )
         period = _number(
-            entry.get("finish_time") or entry.get("duration") or 0, f"client {client!r} finish_time"
+            entry.get("finish_time") or entry.get("duration") or 0, f"{path}: client {client!r} finish_time"
         )
         if period < 0:
             raise TraceError(f"{path}: client {client!r} has a negative finish_time or duration")
@@ -190,7 +190,18 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
             period = max(ends, default=0.0)
         if period <= 0:
             raise TraceError(f"{path}: client {client!r} has no positive finish_time or duration")
+        if starts and min(starts) >= period:  # the trace loops before any of them: the client never comes
+            past.append(client)
         intervals[client], periods[client] = list(zip(starts, ends, strict=True)), period
+    if past:
+        log.warning(
+            "%s: %d of %d clients (first %r) are available only after their finish_time, where the trace "
+            "loops: they are never available",
+            path,
+            len(past),
+            len(table),
+            past[0],
+        )
     return AvailabilityTrace(intervals, periods)
 
 

@@ -282,6 +282,7 @@ class FedBuffStrategy(Strategy):
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         self._begin(initial_arrays)
+        self._warn_small_fleet(len(list(grid.get_node_ids())))
         last = self._first_version + num_rounds
         if num_rounds <= 0:  # e.g. resumed after the last aggregation: no client is sent work
             return result
@@ -326,6 +327,17 @@ class FedBuffStrategy(Strategy):
             if not replies and self.state.version < last:
                 time.sleep(self.poll_s)
         return result
+
+    def _warn_small_fleet(self, nodes: int) -> None:
+        """Say so when fewer nodes than ``K`` are connected: a buffer then fills only when no node is left
+        training, and every aggregation takes the replies of all of them (FedAvg weighted by staleness)."""
+        if 0 < nodes < self.buffer_size:
+            log.warning(
+                "FedBuff: K=%d but %d nodes are connected: each aggregation waits until none is left "
+                "training and takes the replies it has (set buffer_size to at most the nodes)",
+                self.buffer_size,
+                nodes,
+            )
 
     def _begin(self, arrays: ArrayRecord) -> None:
         model, self._dtypes = record_to_arrays(arrays)

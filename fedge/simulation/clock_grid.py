@@ -130,7 +130,10 @@ class ClockGrid(RunGrid):
             else {n for n, client in self._client_of.items() if math.isinf(trace.next_available(client, 0.0))}
         )
         if self._absent and len(self._absent) == len(self._client_of):
-            raise ConfigError("availability: the trace has no client ever available")
+            raise ConfigError(
+                "availability: the trace has no client ever available (no interval before a client's "
+                "finish_time, where the trace loops)"
+            )
         # Memory-aware sampling never offers these: say so once, and in every round's figures (a schedule
         # that is fast because it leaves a device class out must show it; the fleet table had no row).
         unfit = Counter(self._profiles[c].name for n, c in self._client_of.items() if not self._fits(n))

@@ -102,7 +102,7 @@ class MqttGrid(RunGrid):
         self._cond = threading.Condition()
         self._awaited: dict[str, _Awaited] = {}
         self._replies: dict[str, Message] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished: OrderedDict[str, str] = OrderedDict()  # instruction id -> its round
         self.profiles: dict[str, DeviceProfile] = {}
         self.dropped: Counter[str] = Counter()
         self.rejections = RejectionLog()  # the same drops per node, and which of them to log now
@@ -233,7 +233,7 @@ class MqttGrid(RunGrid):
         awaited = self._awaited.pop(message_id, None)
         if awaited is None:
             return
-        self._finish(message_id)
+        self._finish(message_id, awaited.server_round)
         if awaited.transfer is not None and not awaited.transfer.done():
             self.endpoint.channel.cancel(awaited.transfer)
 
@@ -317,8 +317,9 @@ class MqttGrid(RunGrid):
         with self._cond:
             awaited = self._awaited.get(instruction_id)
             if awaited is None:
-                reason = "late" if instruction_id in self._finished else "unknown-instruction"
-                self._reject(delivery.node_id, "?", reason, f"reply to {instruction_id!r}")
+                server_round = self._finished.get(instruction_id)
+                reason = "unknown-instruction" if server_round is None else "late"
+                self._reject(delivery.node_id, server_round or "?", reason, f"reply to {instruction_id!r}")
                 return
             reply = reply_for(awaited)
             if awaited.node != delivery.node_id or reply.metadata.src_node_id != flower_node_id(
@@ -329,7 +330,7 @@ class MqttGrid(RunGrid):
                 )
                 return
             del self._awaited[instruction_id]
-            self._finish(instruction_id)
+            self._finish(instruction_id, awaited.server_round)
             _set_message_id(reply, uuid.uuid4().hex)
             self._report_wire(reply, delivery.payload)
             self._replies[instruction_id] = reply
@@ -366,8 +367,8 @@ class MqttGrid(RunGrid):
         self.profiles[node_id] = profile
         log.info("node %s profile: %s", node_id, profile)
 
-    def _finish(self, instruction_id: str) -> None:
-        self._finished[instruction_id] = None
+    def _finish(self, instruction_id: str, server_round: str) -> None:
+        self._finished[instruction_id] = server_round
         while len(self._finished) > _FORGET_AFTER:
             self._finished.popitem(last=False)
 

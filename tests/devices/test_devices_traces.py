@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -116,6 +117,17 @@ def test_bad_availability_traces(tmp_path):
         read_availability(write(tmp_path, {1: {"active": [1], "inactive": [2], "finish_time": -5}}))
     with pytest.raises(TraceError, match="has no clients"):
         read_availability(write(tmp_path, {}))
+    path = write(tmp_path, {1: {"active": [1], "inactive": [math.nan], "finish_time": 5}})
+    with pytest.raises(TraceError, match=f"^{re.escape(str(path))}: client 1 inactive must be a finite"):
+        read_availability(path)  # it named no file, unlike every other error here
+
+
+def test_intervals_after_the_loops_end_are_said_to_leave_a_client_never_available(tmp_path, caplog):
+    trace = {1: {"active": [5000], "inactive": [5100], "finish_time": 100}, 2: TRACE[next(iter(TRACE))]}
+    with caplog.at_level("WARNING", logger="fedge"):
+        read = read_availability(write(tmp_path, trace))
+    assert not read.available(0.0)[0] and read.next_available(1, 0.0) == math.inf
+    assert "1 of 2 clients (first 1) are available only after their finish_time" in caplog.text
 
 
 def test_remap_is_seeded():

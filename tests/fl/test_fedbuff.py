@@ -162,10 +162,16 @@ def test_the_order_a_buffers_replies_arrive_in_changes_no_bit_of_the_model():
     assert all(np.array_equal(finals[0][name], finals[1][name]) for name in finals[0])
 
 
-def test_with_fewer_clients_than_k_the_buffer_is_aggregated_once_every_client_is_in_it():
+def test_with_fewer_clients_than_k_the_buffer_is_aggregated_once_every_client_is_in_it(caplog):
     app = AppConfig(rounds=2, local_epochs=1, seed=0, strategy="fedbuff", buffer_size=4, concurrency=4)
-    rounds = run_simulation(SimulationConfig(clients=3, workers=1, app=app)).rounds  # real time
+    with caplog.at_level("WARNING", logger="fedge"):
+        rounds = run_simulation(SimulationConfig(clients=3, workers=1, app=app)).rounds  # real time
     assert [(r.extra["accepted"], r.clients_sampled) for r in rounds] == [(3, 3), (3, 3)]
+    # said once, not silently (the run is then FedAvg weighted by staleness)
+    assert [r.message for r in caplog.records].count(
+        "FedBuff: K=4 but 3 nodes are connected: each aggregation waits until none is left training and "
+        "takes the replies it has (set buffer_size to at most the nodes)"
+    ) == 1
 
 
 def test_on_a_mixed_fleet_fast_clients_count_more_often_and_the_model_improves():

@@ -109,6 +109,8 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
     reasons = [e.get("reason") for e in audit if e["event"] == "rejected"]
     assert sorted(reasons) == ["late", "late", "undecodable", "wrong-sender"]
     assert [e["node"] for e in audit if e["event"] == "accepted"] == ["alice"]
+    # a late reply names the round it answered (it said "round ?")
+    assert [e["round"] for e in audit if e.get("reason") == "late"] == ["1", "2"]
 
 
 def test_signed_replies_are_checked_per_node(mqtt):
