@@ -154,13 +154,14 @@ def _coerce(kind: Any, value: Any, dotted: str) -> Any:
     raise ConfigError(f"{dotted} must be {name}, got {value!r}")
 
 
-def make_state_dir(path: str | Path) -> Path:
-    """Create a state directory (and its parents) if needed; a ConfigError naming it if the OS refuses."""
+def make_state_dir(path: str | Path, what: str = "the state directory") -> Path:
+    """Create a state directory (and its parents) if needed; a ConfigError naming it (``what``) if the OS
+    refuses (a file in its place, no permission)."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ConfigError(f"cannot create the state directory {path}: {err.strerror or err}") from None
+        raise ConfigError(f"cannot create {what} {path}: {err.strerror or err}") from None
     return path
 
 

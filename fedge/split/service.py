@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fedge.atomic import write_json_atomic
-from fedge.config import ConfigError, from_table, read_toml
+from fedge.config import ConfigError, from_table, make_state_dir, read_toml
 from fedge.server.checkpoint import set_aside_checkpoint
 from fedge.split.coordinator import SplitCoordinator
 from fedge.split.engine_config import EngineRound, SplitAppConfig
@@ -115,6 +115,11 @@ def run_split_service(
     """
     out = Path(config.out_dir) if config.out_dir else None
     state_dir = config.run.state_dir
+    # Both made before the broker is reached: a file in their place was a traceback after the first round.
+    if state_dir:
+        make_state_dir(state_dir)
+    if out is not None:
+        make_state_dir(out, "out_dir")
     if state_dir and not config.run.resume:  # a fresh start: keep an earlier run's checkpoint
         set_aside_checkpoint(state_dir, SPLIT_CHECKPOINT_FILE)
 

@@ -138,8 +138,10 @@ class BrokerAddress:
             raise ConfigError(f"broker_url {url!r} has no host")
         if parts.path not in ("", "/") or parts.query or parts.username:
             raise ConfigError(f"broker_url {url!r}: only scheme, host and port are allowed")
+        if port == 0:  # "no port" would make it the default one: another broker, perhaps
+            raise ConfigError(f"broker_url {url!r}: port 0 is not a broker's port")
         tls = parts.scheme == "mqtts"
-        return cls(parts.hostname, port or (8883 if tls else 1883), tls)
+        return cls(parts.hostname, (8883 if tls else 1883) if port is None else port, tls)
 
 
 @dataclass(frozen=True)

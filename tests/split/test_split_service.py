@@ -105,6 +105,18 @@ def test_resume_without_a_state_dir_fails_in_one_line(tmp_path):
     assert result.stderr.strip() == "error: --resume needs state_dir: the checkpoint it continues from"
 
 
+@pytest.mark.parametrize("key", ["state_dir", "out_dir"])
+def test_a_file_where_a_directory_goes_is_one_line_before_the_broker_is_tried(tmp_path, key):
+    """It was a traceback after the first round had trained (writing its checkpoint or metrics)."""
+    (tmp_path / "taken").write_text("a file")
+    path = tmp_path / "split.toml"
+    path.write_text(f'{key} = "{tmp_path / "taken"}"\n[mqtt]\nbroker_url = "mqtt://127.0.0.1:1"\n')
+    result = _coordinator(path)
+    assert result.returncode == 2
+    what = "the state directory" if key == "state_dir" else "out_dir"
+    assert result.stderr.strip() == f"error: cannot create {what} {tmp_path / 'taken'}: File exists"
+
+
 def test_too_few_agents_is_one_line_saying_how_many_came(tmp_path):
     with MosquittoBroker(tmp_path / "broker") as broker:
         path = tmp_path / "split.toml"

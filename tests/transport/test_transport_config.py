@@ -33,6 +33,7 @@ def test_broker_urls(url: str, address: BrokerAddress) -> None:
     [
         ({"broker_url": "http://x:1883"}, "mqtt:// or mqtts://"),
         ({"broker_url": "mqtt://x:99999"}, "broker_url"),
+        ({"broker_url": "mqtt://x:0"}, "port 0 is not a broker's port"),  # it became 1883: another broker
         ({"broker_url": "mqtt://:1883"}, "no host"),
         ({"broker_url": "mqtt://u:p@x:1883"}, "only scheme, host and port"),
         ({"fleet": "a/b"}, "fleet"),
