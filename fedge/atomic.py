@@ -46,7 +46,17 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 def strict_json(payload: Any, *, indent: int | None = None) -> str:
     """``payload`` as strict JSON: non-finite floats (NumPy's too) become ``null``, since ``Infinity``
     and ``NaN`` are Python's extensions, which JavaScript, Go and serde reject along with the whole text."""
-    return json.dumps(_finite(payload), indent=indent, allow_nan=False)
+    try:  # the common case, all finite, in one pass of the C encoder (a run's history is megabytes)
+        return json.dumps(payload, indent=indent, allow_nan=False, default=_numpy_scalar)
+    except ValueError:  # a NaN or infinity somewhere: walk the payload to replace them
+        return json.dumps(_finite(payload), indent=indent, allow_nan=False)
+
+
+def _numpy_scalar(value: Any) -> Any:
+    """The encoder's fallback: a NumPy scalar as Python's number (the encoder then checks it is finite)."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _finite(value: Any) -> Any:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedge.atomic import write_json_atomic
+from fedge.atomic import strict_json, write_bytes_atomic
 from fedge.reporting.plots import plot_accuracy, plot_accuracy_vs_time, plot_accuracy_vs_upload, plot_timeline
 
-__all__ = ["RoundListener", "RoundMetrics", "RunHistory", "write_run_outputs"]
+__all__ = ["RoundListener", "RoundMetrics", "RunHistory", "history_text", "write_run_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,16 @@ class RoundMetrics:
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        row = dataclasses.asdict(self)
-        extra = row.pop("extra")
-        row.update({key: value for key, value in extra.items() if key not in row})  # the fields keep theirs
-        if not row["timeline"]:
-            del row["timeline"]
+        # Built by hand, not with dataclasses.asdict, whose deep copy took 0.17 s for a 1,000-round history:
+        # metrics.json and the checkpoint are written after every round.
+        row: dict[str, Any] = {name: getattr(self, name) for name in _COUNTS}  # the fields keep theirs below
+        row.update({key: value for key, value in self.extra.items() if key not in row})
+        if self.timeline:
+            row["timeline"] = [dict(entry) for entry in self.timeline]
         return row
+
+
+_COUNTS = tuple(f.name for f in dataclasses.fields(RoundMetrics) if f.name not in ("extra", "timeline"))
 
 
 @dataclass
@@ -90,8 +95,23 @@ class RunHistory:
     def write(self, out_dir: str | Path) -> Path:
         """Write ``metrics.json`` into ``out_dir`` (atomically) and return its path."""
         path = Path(out_dir) / "metrics.json"
-        write_json_atomic(path, self.to_json())
+        write_bytes_atomic(path, history_text(self.to_json()).encode())
         return path
+
+
+def history_text(payload: dict[str, Any]) -> str:
+    """A history's JSON (:meth:`RunHistory.to_json`) with one round per line: as strict as
+    :func:`~fedge.atomic.strict_json`, easy to read and to ``grep``, and written by the C encoder (indenting
+    every value takes Python's own, 0.1 s a write for 1,000 rounds)."""
+    fields = [
+        f"  {json.dumps(key)}: " + strict_json(value, indent=2).replace("\n", "\n  ")  # the config: small
+        for key, value in payload.items()
+        if key != "rounds"
+    ]
+    rounds = payload.get("rounds", [])
+    lines = ",\n".join(f"    {strict_json(row)}" for row in rounds)
+    fields.append(f'  "rounds": [\n{lines}\n  ]' if rounds else '  "rounds": []')
+    return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
 RoundListener = Callable[[RoundMetrics], None]

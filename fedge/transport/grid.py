@@ -333,22 +333,24 @@ class MqttGrid(RunGrid):
             self._finish(instruction_id, awaited.server_round)
             _set_message_id(reply, uuid.uuid4().hex)
             self._report_wire(reply, delivery.payload)
+            # Recorded before the ServerApp can pull it: its round may be aggregated and committed at once,
+            # and a commit naming the round's accepted nodes must find this one (it once left one out).
+            self._record_reply(delivery.node_id, awaited.server_round, instruction_id, reply)
             self._replies[instruction_id] = reply
             self._cond.notify_all()
+
+    def _record_reply(self, node: str, server_round: str, instruction_id: str, reply: Message) -> None:
+        """Count, log and audit a settled reply: refused, failed or accepted."""
         if reply.has_error() and reply.error.code == INSTRUCTION_REFUSED:
             refusal = Refusal.from_error_reason(reply.error.reason or "")
             self.refusals[refusal.reason] += 1
             log.warning(
-                "node %s refused instruction %s (round %s): %s",
-                delivery.node_id,
-                instruction_id,
-                awaited.server_round,
-                refusal,
+                "node %s refused instruction %s (round %s): %s", node, instruction_id, server_round, refusal
             )
             self._record(
                 "refused",
-                delivery.node_id,
-                awaited.server_round,
+                node,
+                server_round,
                 instruction=instruction_id,
                 reason=refusal.reason,
                 detail=refusal.detail,
@@ -356,7 +358,7 @@ class MqttGrid(RunGrid):
             return
         # An error reply (the ClientApp failed) is answered but carries no update: it never counts.
         event = "failed" if reply.has_error() else "accepted"
-        self._record(event, delivery.node_id, awaited.server_round, instruction=instruction_id)
+        self._record(event, node, server_round, instruction=instruction_id)
 
     def _on_profile(self, node_id: str, payload: bytes) -> None:
         try:

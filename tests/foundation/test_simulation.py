@@ -487,6 +487,29 @@ def test_metrics_json_is_strict_json_when_a_figure_is_nan(tmp_path):
     assert json.loads(text, parse_constant=refuse) == expected
 
 
+def test_metrics_json_holds_one_round_a_line_as_the_history_has_them(tmp_path):
+    """Written after every round, so built and encoded fast (a 1,000-round history took 0.27 s a write
+    with dataclasses.asdict and the indenting encoder); the same JSON, NaN as null."""
+    import dataclasses
+    import math
+
+    from fedge.reporting.history import RoundMetrics, RunHistory
+
+    history = RunHistory(config={"rounds": 2, "task": {"path": "x"}}, initial_accuracy=0.1)
+    history.rounds.append(RoundMetrics(1, 0.5, math.nan, 4, 3, 10, 20, 0.2, extra={"ratio": 2.0}))
+    timeline = [{"client": 0, "status": "accepted"}]
+    history.rounds.append(RoundMetrics(2, 0.6, 0.4, 4, 4, 10, 20, 0.2, extra={"round": 9}, timeline=timeline))
+    text = history.write(tmp_path).read_text()
+    rows = [json.loads(line.rstrip(",")) for line in text.splitlines() if line.startswith('    {"round"')]
+    assert json.loads(text) == {**history.to_json(), "rounds": rows}
+    expected = []
+    for row in history.rounds:  # what dataclasses.asdict gave: the fields, their extra figures, the timeline
+        fields = dataclasses.asdict(row)
+        extra, steps = fields.pop("extra"), fields.pop("timeline")
+        expected.append({**extra, **fields, **({"timeline": steps} if steps else {})})
+    assert rows[0]["loss"] is None and rows[1] == expected[1] and rows[0] == {**expected[0], "loss": None}
+
+
 def test_a_benchs_json_line_is_strict_json(capsys):
     """A bench's ``--json`` line is read by other languages: a baseline that never reached its target
     (``tta_s`` infinite) was written as ``Infinity``, which JavaScript, Go and serde reject (heterogeneity
