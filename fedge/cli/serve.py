@@ -82,7 +82,7 @@ def infer(
     ),
     status: bool = typer.Option(False, "--status", help="Show every device's serving status instead."),
     timeout: float = typer.Option(
-        10.0, "--timeout", min=0.1, max=86400.0, help="Seconds to wait for the answer."
+        10.0, "--timeout", min=0.1, max=86400.0, help="Seconds to wait for the broker and for the answer."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -91,7 +91,11 @@ def infer(
 
     check_finite(timeout, "--timeout")
     with config_errors():
-        config = MqttConfig(broker_url=broker, fleet=fleet)
+        # A throw-away client: its session must not outlive it, nor may connecting outwait --timeout.
+        wait_s = min(MqttConfig.connect_timeout_s, timeout)
+        config = MqttConfig(
+            broker_url=broker, fleet=fleet, persistent_session=False, connect_timeout_s=wait_s
+        )
     if status:
         _print_status(config, timeout, as_json)
         return

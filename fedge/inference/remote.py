@@ -12,6 +12,7 @@ answers seen before. (A counter had let a node that read one answer forge the ne
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -59,7 +60,8 @@ class InferenceClient:
     config : MqttConfig
         Broker and fleet (the broker must speak MQTT 5).
     client_id : str, optional
-        This requester's MQTT client id; a random one by default. Its answers come under its broker
+        This requester's MQTT client id; a random one by default, whose session the broker forgets when
+        it disconnects. Its answers come under its broker
         username (``config.username``; without one, under this id): the broker's ACL lets only that user
         read them, and a client id, which any user may claim, is not checked against the user.
     max_answer_bytes : int, default 64 MiB
@@ -77,6 +79,8 @@ class InferenceClient:
         max_answer_bytes: int = 64 * 1024 * 1024,
         chunk_bytes: int = 256 * 1024,
     ) -> None:
+        if client_id is None:  # a random id no later run reuses: the broker need not keep its session
+            config = dataclasses.replace(config, persistent_session=False)
         self.client_id = client_id or f"requester-{uuid.uuid4().hex[:12]}"
         self.topics = Topics(config.fleet)
         self.max_answer_bytes = max_answer_bytes

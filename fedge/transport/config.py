@@ -167,6 +167,11 @@ class MqttConfig:
         "auto" tries MQTT 5 and falls back to 3.1.1 when the broker refuses the protocol version.
     session_expiry_s : int, default 3600
         MQTT 5 session expiry (3.1.1 sessions live until the broker's ``persistent_client_expiration``).
+    persistent_session : bool, default True
+        Whether the broker keeps this client's session (subscriptions, queued QoS 1 messages) after it
+        disconnects. False for throw-away clients (a ``fedge infer`` request, a status query) with a random
+        client id: each one's session would stay on the broker for ``session_expiry_s`` (MQTT 5) or for good
+        (3.1.1, until the broker's ``persistent_client_expiration``).
     will_delay_s : int, default 5
         Grace before a node's last will marks it offline: the broker delays the will with MQTT 5; with 3.1.1
         the coordinator waits this long for the node to come back before reporting it offline.
@@ -196,6 +201,7 @@ class MqttConfig:
     keepalive_s: int = 30
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     session_expiry_s: int = 3600
+    persistent_session: bool = True
     will_delay_s: int = 5
     presence_max_skew_s: float = 300.0
     max_packet_size: int | None = None

@@ -255,7 +255,10 @@ class MqttConnection:
             client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
         else:
             client = paho.Client(
-                CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv311, clean_session=False
+                CallbackAPIVersion.VERSION2,
+                client_id=client_id,
+                protocol=paho.MQTTv311,
+                clean_session=not config.persistent_session,
             )
         if config.username is not None:
             client.username_pw_set(config.username, config.password)
@@ -281,11 +284,15 @@ class MqttConnection:
         self._settled.clear()
         if self.is_v5:
             properties = Properties(PacketTypes.CONNECT)
-            properties.SessionExpiryInterval = config.session_expiry_s
+            properties.SessionExpiryInterval = config.session_expiry_s if config.persistent_session else 0
             # Ask the broker not to forward packets we would drop anyway (a size cap on untrusted input).
             properties.MaximumPacketSize = config.transfer.max_chunk_size + 64 * 1024
             self._client.connect_async(
-                address.host, address.port, config.keepalive_s, clean_start=False, properties=properties
+                address.host,
+                address.port,
+                config.keepalive_s,
+                clean_start=not config.persistent_session,
+                properties=properties,
             )
         else:
             self._client.connect_async(address.host, address.port, config.keepalive_s)
