@@ -5,6 +5,7 @@ Imported by the CLI at start-up, so heavy modules (amqtt, asyncio servers) are i
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 
@@ -13,6 +14,8 @@ import typer
 from fedge.cli.common import check_finite, fail
 
 __all__ = ["broker_command", "netem_command"]
+
+_THIS_MACHINE = {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"}
 
 
 def broker_command(
@@ -25,7 +28,6 @@ def broker_command(
     """
     import asyncio
     import importlib.util
-    import logging
 
     from fedge.localnet.broker import EmbeddedBroker
 
@@ -65,9 +67,14 @@ def netem_command(
     for flag, value in (("--rate-mbps", rate_mbps), ("--reset-mean-s", reset_mean_s)):
         if value is not None and not 0 < value < math.inf:
             raise fail(f"{flag} must be positive, got {value:g}")
+    if "://" in upstream:
+        raise fail(f"--upstream {upstream!r} must be HOST:PORT, not a URL")
     host, _, port_text = upstream.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:1883
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise fail(f"--upstream {upstream!r} must be HOST:PORT")
+    if int(port_text) == listen and (host == listen_host or host in _THIS_MACHINE):
+        raise fail(f"--upstream {upstream!r} is netem's own --listen address: it would forward to itself")
     try:
         profile = LinkProfile(
             latency_ms=latency_ms,
@@ -80,19 +87,26 @@ def netem_command(
     except ValueError as err:
         raise fail(str(err)) from None
     _check_free(listen_host, listen)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     proxy = LossyLinkProxy(host, int(port_text), profile, listen_host=listen_host, listen_port=listen)
     typer.echo(f"netem {listen_host}:{listen} -> {host}:{port_text} ({profile}); Ctrl-C stops it")
     try:
         asyncio.run(proxy.serve())
     except KeyboardInterrupt:
         stats = proxy.stats
-        typer.echo(f"connections {stats.connections}, resets {stats.resets}")
+        typer.echo(
+            f"connections {stats.connections}, resets {stats.resets}, "
+            f"upstream unreachable {stats.upstream_failures}"
+        )
         typer.echo(f"bytes up {stats.bytes_up}, down {stats.bytes_down}")
 
 
 def _check_free(host: str, port: int) -> None:
     """Fail with one line if ``host:port`` cannot be listened on (in use, or not a local address)."""
     with socket.socket() as sock:
+        # as the servers bind: a port whose last connections linger in TIME_WAIT is free to listen on (a
+        # broker restarted at once was refused for a minute)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as err:

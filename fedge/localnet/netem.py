@@ -81,12 +81,14 @@ class LinkProfile:
 
 @dataclass
 class ProxyStats:
-    """Counters: connections accepted, reset events, bytes read from clients (up) and from upstream (down)."""
+    """Counters: connections accepted, reset events, bytes read from clients (up) and from upstream (down),
+    clients dropped for want of the upstream."""
 
     connections: int = 0
     resets: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    upstream_failures: int = 0  # clients dropped because the upstream could not be reached
 
 
 class _TokenBucket:
@@ -259,7 +261,10 @@ class LossyLinkProxy:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError as err:
-            logger.info("upstream %s:%d unreachable: %s", *self.upstream, err)
+            self.stats.upstream_failures += 1
+            # the first time said where a user sees it; later ones (a client retrying) in the debug log
+            level = logging.WARNING if self.stats.upstream_failures == 1 else logging.DEBUG
+            logger.log(level, "upstream %s:%d unreachable: %s; the client is dropped", *self.upstream, err)
             connection.abort()
             return
         self.stats.connections += 1

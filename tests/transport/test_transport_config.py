@@ -88,6 +88,9 @@ def test_topic_tree_and_node_ids_from_topics() -> None:
     ("args", "message"),
     [
         (["netem", "--listen", "5000", "--upstream", "nohost"], "--upstream 'nohost' must be HOST:PORT"),
+        (["netem", "--listen", "5000", "--upstream", "mqtt://h:1883"], "must be HOST:PORT, not a URL"),
+        (["netem", "--listen", "5000", "--upstream", "127.0.0.1:5000"], "netem's own --listen address"),
+        (["netem", "--listen", "5000", "--upstream", "[::1]:5000"], "netem's own --listen address"),
         (
             ["netem", "--listen", "5000", "--upstream", "h:1", "--rate-mbps", "0"],
             "--rate-mbps must be positive",
@@ -110,6 +113,23 @@ def test_broker_command_refuses_a_port_in_use() -> None:
         busy.listen()
         result = CliRunner().invoke(app, ["broker", "--port", str(busy.getsockname()[1])])
     assert result.exit_code == 2 and "cannot listen on 127.0.0.1" in result.output
+
+
+def test_a_port_whose_last_connections_linger_in_time_wait_is_free_to_listen_on() -> None:
+    """A broker stopped after clients connected leaves its side of their connections in TIME_WAIT; the
+    restarted one was refused ("Address already in use") for a minute, though its server could bind."""
+    from fedge.cli.tools import _check_free
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's servers (amqtt, netem)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: it is the one left in TIME_WAIT
+            client.recv(1)
+    _check_free("127.0.0.1", port)  # no error
 
 
 @pytest.mark.parametrize("command", ["broker", "netem"])
