@@ -295,6 +295,7 @@ def export_variants(
     held_out: ModelInputs | None = None,
     names: Mapping[str, str] | None = None,
     config: ExportConfig | None = None,
+    skipped: dict[str, str] | None = None,
 ) -> dict[str, tuple[Path, Manifest]]:
     """Export fp32 and quantize it into the requested int8 variants, each with its own manifest.
 
@@ -304,6 +305,10 @@ def export_variants(
     ``calibration``, else ``example_input``). Files are ``{stem}-{variant}.onnx`` in ``out_dir``, unless
     ``names`` maps a variant to its own file name. ``calibration``, ``held_out`` and the features of
     ``labelled`` have the structure of ``example_input`` (one array, a tuple, a dict).
+
+    An int8 variant that cannot be made (no calibration inputs for ``int8-static``, the quantizer failing on
+    the graph) raises, unless ``skipped`` is given: it is then left out and its reason put there, and the
+    verified fp32 file and the other variants are kept (a coordinator lost every round's fp32 export).
     """
     from fedge.inference.quantize import quantize_dynamic_int8, quantize_static_int8
 
@@ -311,7 +316,11 @@ def export_variants(
     if unknown or "fp32" not in variants:
         raise ValueError(f"variants must include 'fp32' and be among {VARIANTS}, got {list(variants)}")
     if "int8-static" in variants and calibration is None:
-        raise ValueError("the int8-static variant needs calibration inputs")
+        reason = "the int8-static variant needs calibration inputs"
+        if skipped is None:
+            raise ValueError(reason)
+        skipped["int8-static"] = f"{reason} (the task's export inputs give none)"
+        variants = [variant for variant in variants if variant != "int8-static"]
     names = {variant: f"{stem}-{variant}.onnx" for variant in VARIANTS} | dict(names or {})
     config = config or ExportConfig()
     if calibration is not None:
@@ -345,7 +354,11 @@ def export_variants(
             else:
                 quantize_dynamic_int8(fp32_path, path)
         except Exception as err:
-            raise ExportError("quantize", f"{variant}: {type(err).__name__}: {err}") from err
+            if skipped is None:
+                raise ExportError("quantize", f"{variant}: {type(err).__name__}: {err}") from err
+            path.unlink(missing_ok=True)
+            skipped[variant] = f"quantizing failed: {type(err).__name__}: {err}".splitlines()[0][:300]
+            continue
         data = path.read_bytes()
         accuracy = session_accuracy(make_session(data), *_labelled(labelled, config)) if labelled else None
         if len(fp32.outputs) > 1:  # accuracy speaks for the first output only: nothing bounds the others

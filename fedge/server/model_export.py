@@ -231,6 +231,8 @@ class ModelExporter:
         self._resolved: ExportInputs | None = None
         self.failures = self.publish_failures = 0
         self.last_error = ""
+        self.skipped: dict[str, str] = {}  # the last export's variants left out, and why
+        self._skip_reasons: dict[str, str] = {}
         self._started = False
         self._told_unsupported = False
 
@@ -283,6 +285,7 @@ class ModelExporter:
             export_version=exported.version,
             export_s=time.perf_counter() - started,
             export_failures=self.failures,
+            export_variants_skipped=len(self.skipped),
         )
         log.info("round %d: exported %s to %s", server_round, exported.version, self.models_dir)
         if self.on_export is not None:
@@ -340,6 +343,7 @@ class ModelExporter:
         try:
             # one array, or a tuple or dict of them for a model of several inputs (fedge.server.model_inputs)
             labelled = inputs.labelled
+            skipped: dict[str, str] = {}
             results = export_variants(
                 self._load_model(arrays),
                 inputs.example,
@@ -352,7 +356,9 @@ class ModelExporter:
                 round=server_round,
                 names=FILE_NAMES,
                 config=self.config.export,
+                skipped=skipped,
             )
+            self._report_skipped(server_round, skipped)
             # what the (first) output holds, for a reader that would otherwise take any two columns for class
             # scores: a classifier's labels are class numbers, a regressor's are values
             kind = {} if labelled is None else {"outputs": _output_kind(labelled[1])}
@@ -386,6 +392,15 @@ class ModelExporter:
             },
         )
         return exported
+
+    def _report_skipped(self, server_round: int, skipped: dict[str, str]) -> None:
+        """Say (once per variant and reason, not every round) which variants were left out, and why."""
+        self.skipped = dict(skipped)
+        for variant, reason in skipped.items():
+            if self._skip_reasons.get(variant) != reason:
+                log.warning("round %d: export variant %s left out (the others are exported): %s",
+                            server_round, variant, reason)  # fmt: skip
+        self._skip_reasons = dict(skipped)
 
     def _prune(self, newest: str) -> None:
         """Keep the ``config.keep`` newest versions, always including the one latest.json names."""

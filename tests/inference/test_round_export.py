@@ -190,7 +190,9 @@ def test_a_round_that_accepted_no_update_publishes_no_version(tmp_path):
 # ModelExporter on its own: a tiny model, no Flower round loop.
 
 
-def _linear_exporter(tmp_path: Path, keep: int, **kwargs) -> tuple[ModelExporter, torch.nn.Module]:
+def _linear_exporter(
+    tmp_path: Path, keep: int, config_variants: tuple[str, ...] = ("fp32",), **kwargs
+) -> tuple[ModelExporter, torch.nn.Module]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
@@ -200,7 +202,8 @@ def _linear_exporter(tmp_path: Path, keep: int, **kwargs) -> tuple[ModelExporter
         return model
 
     inputs = ExportInputs(example=x[:2], held_out=x[:8])
-    return ModelExporter(tmp_path, load, inputs, RoundExportConfig(keep=keep), **kwargs), model
+    config = RoundExportConfig(keep=keep, variants=config_variants)
+    return ModelExporter(tmp_path, load, inputs, config, **kwargs), model
 
 
 def _round(exporter: ModelExporter, history: RunHistory, model: torch.nn.Module, server_round: int):
@@ -336,3 +339,29 @@ def test_int8_variants_only_when_configured_each_with_its_manifest(tmp_path):
             assert manifest.extra["quantized_from"] == fp32.sha256
     latest = json.loads((tmp_path / "models" / "latest.json").read_text())
     assert set(latest["sha256"]) == {"fp32", "int8-static", "int8-dynamic"}
+
+
+def test_a_variant_that_cannot_be_made_is_left_out_and_fp32_is_still_exported(tmp_path, caplog, monkeypatch):
+    """int8-static without calibration inputs, or a quantizer that fails on the graph, lost the verified fp32
+    file too, every round of the run (inference sweep)."""
+    from fedge.inference import quantize
+
+    variants = ("fp32", "int8-static", "int8-dynamic")
+    exporter, model = _linear_exporter(tmp_path, keep=3, config_variants=variants)
+    history = RunHistory(config={})
+    with caplog.at_level("WARNING", logger="fedge"):
+        exported = [_round(exporter, history, model, r) for r in (1, 2)]
+        monkeypatch.setattr(quantize, "quantize_dynamic_int8", _failing_quantizer)
+        exported.append(_round(exporter, history, model, 3))
+    assert [sorted(e.files) for e in exported] == [["fp32", "int8-dynamic"]] * 2 + [["fp32"]]
+    assert all(e.files["fp32"].is_file() for e in exported)
+    assert [r.extra["export_variants_skipped"] for r in history.rounds] == [1, 1, 2]
+    assert [r.extra["export_failures"] for r in history.rounds] == [0, 0, 0]
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(said) == 2  # once per variant and reason, not every round
+    assert "int8-static left out" in said[0] and "needs calibration inputs" in said[0]
+    assert "int8-dynamic left out" in said[1] and "RuntimeError: no kernel for this op" in said[1]
+
+
+def _failing_quantizer(source, target) -> None:
+    raise RuntimeError("no kernel for this op")
