@@ -166,7 +166,8 @@ def export_onnx(
         checked = _named(held_out, config) if held_out is not None else example
         max_diff = verify_onnx(model, data, checked, config, keyword=keyword)
         if branched:
-            _check_value_branches(model, data, [checked, *_probe_rows(labelled, config)], config, keyword)
+            rows = [checked, *_probe_rows(labelled, config)]
+            _check_value_branches(model, data, rows, config, keyword, branched)
     finally:
         model.train(was_training)
     session = make_session(data)
@@ -388,7 +389,12 @@ def _probe_rows(
 
 
 def _check_value_branches(
-    model: nn.Module, data: bytes, inputs: list[dict[str, np.ndarray]], config: ExportConfig, keyword: bool
+    model: nn.Module,
+    data: bytes,
+    inputs: list[dict[str, np.ndarray]],
+    config: ExportConfig,
+    keyword: bool,
+    site: str,
 ) -> None:
     """The tracer saw the forward test a tensor's value: :func:`fedge.server.value_branches.check_probes`."""
     session = make_session(data)
@@ -399,6 +405,7 @@ def _check_value_branches(
             inputs,
             bound=max(10 * config.tolerance, 1e-3),
             name=type(model).__name__,
+            site=site,
         )
     except BranchMismatch as err:
         raise ExportError("verify", str(err)) from None

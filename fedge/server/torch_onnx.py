@@ -33,8 +33,9 @@ def torch_to_onnx(
     *,
     opset: int = 18,
     output_name: str = "logits",
-) -> tuple[bytes, bool]:
-    """The ONNX file's bytes, and whether the tracer saw the forward test a tensor's value.
+) -> tuple[bytes, str]:
+    """The ONNX file's bytes, and where the tracer saw the model's forward test a tensor's value
+    (``file:line``; "" if nowhere).
 
     Parameters
     ----------
@@ -77,7 +78,7 @@ def torch_to_onnx(
             )
             buffer = io.BytesIO()
             program.save(buffer, external_data=False)  # type: ignore[union-attr]
-            return buffer.getvalue(), False
+            return buffer.getvalue(), ""
         buffer = io.BytesIO()
         with without_torch_ir_dump(log):
             torch.onnx.export(

@@ -6,15 +6,18 @@ verifies on inputs like the example and gives other outputs wherever the model w
 branch. The tracer says so only in a ``TracerWarning`` ("Converting a tensor to a Python boolean"), which
 it also gives for harmless tests (``if x.shape[1] != 64``: the non-batch axes are fixed in fedge's exports).
 
-So the warning alone decides nothing: when it was given, the export is compared with the model once more, on
-the held-out rows and on their floating inputs moved and scaled (``x + 1``, ``-x``, ``3x``), where a value
-test of the kind above would turn the other way. A file that disagrees there is refused; one that agrees is
-kept, with a warning naming the model.
+So the warning alone decides nothing. Torch's own modules give it too, from their shape checks (``nn.LSTM``,
+``nn.GRU``, ``nn.MultiheadAttention``): a warning raised from a file of torch's package is not the model's.
+When the model's code gave it, the export is compared with the model once more, on the held-out rows and on
+their floating inputs moved and scaled (``x + 1``, ``-x``, ``3x``), where a value test of the kind above
+would turn the other way. A file that disagrees there is refused; one that agrees is kept, with a warning
+naming the model and the line of its test: a branch those inputs never take is not checked.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
@@ -38,11 +41,17 @@ class BranchMismatch(RuntimeError):
     """The export disagrees with its model on inputs unlike the example: it froze a branch."""
 
 
-def branched_on_values(caught: Sequence[warnings.WarningMessage]) -> bool:
-    """Whether the tracer turned a tensor into a Python bool while recording (``caught``: its warnings)."""
-    return any(
-        issubclass(w.category, torch.jit.TracerWarning) and _BRANCH_WARNING in str(w.message) for w in caught
-    )
+def branched_on_values(caught: Sequence[warnings.WarningMessage]) -> str:
+    """Where the model's code had the tracer turn a tensor into a Python bool while recording (``caught``:
+    its warnings), as ``file:line``; "" if nowhere (torch's own modules' shape checks do not count)."""
+    for w in caught:
+        tracer = issubclass(w.category, torch.jit.TracerWarning) and _BRANCH_WARNING in str(w.message)
+        if tracer and not os.path.abspath(w.filename).startswith(_TORCH_DIR):
+            return f"{w.filename}:{w.lineno}"
+    return ""
+
+
+_TORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
 
 
 def probe_diff(
@@ -75,9 +84,11 @@ def check_probes(
     *,
     bound: float,
     name: str,
+    site: str = "",
 ) -> None:
     """Raise :class:`BranchMismatch` if :func:`probe_diff` exceeds ``bound``; else warn, once per ``name``
-    (the model's class), that the trace tested a value and the export was kept."""
+    (the model's class), that the trace tested a value (at ``site``, ``file:line``) and the export was
+    kept."""
     try:
         diff, where = probe_diff(run_model, run_export, inputs)
     except Exception as err:  # the model itself fails on a probe (a log of -x, say): nothing to compare
@@ -92,9 +103,11 @@ def check_probes(
     if name not in _warned:
         _warned.add(name)
         log.warning(
-            "%s: the export's trace turned a tensor into a Python bool (an `if` on a value?); it matches "
-            "the model on the held-out rows, moved and scaled, so it is kept",
+            "%s: the export's trace turned a tensor into a Python bool%s (an `if` on a value?); the file "
+            "matches the model on the held-out rows, moved and scaled, so it is kept, but a branch those "
+            "never take is not checked: write the test with torch.where to be sure",
             name,
+            f" at {site}" if site else "",
         )
 
 
