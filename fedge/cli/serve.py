@@ -138,6 +138,13 @@ def infer(
         for name, value in outputs.items():
             typer.echo(f"  {name}: {np.array2string(value, precision=6, threshold=64)}")
         return
+    if answer.other_outputs:
+        others = ", ".join(answer.other_outputs)
+        typer.echo(
+            f"warning: the model's other outputs ({others}) are not in the answer: send the rows in an .npz "
+            "by input name to get every output",
+            err=True,
+        )
     classify = answer.kind != "values" and is_class_scores(outputs)  # a regressor's columns are values
     classes = outputs.argmax(axis=1).tolist() if classify else None
     if as_json:

@@ -249,6 +249,8 @@ class InferenceAgent:
                 outputs, version = self.server.predict_versioned(decode_array(payload, **caps))
                 answer = encode_array(outputs)
             extra = (("status", "ok"), ("version", version), self._replica_tag, *self._outputs_kind())
+            if not is_npz(payload):  # an array request gets the first output: say which others there are
+                extra += self._other_outputs()
         except InputError as err:
             answer, extra = b"", (("status", "error"), ("error", str(err)), ("version", ""))
             self._count_failure("bad-request")
@@ -276,6 +278,12 @@ class InferenceAgent:
         manifest = self.server.current.manifest  # a model answered the request, so one is loaded
         kind = manifest.extra.get("outputs") if manifest is not None else None
         return (("outputs", kind),) if isinstance(kind, str) else ()
+
+    def _other_outputs(self) -> tuple[tuple[str, str], ...]:
+        """The served model's outputs after the first, by name (``other_outputs``), for the requester to say
+        they were left out of an array request's answer; nothing for a model of one output."""
+        names = [o.name for o in self.server.current.session.get_outputs()[1:]]
+        return (("other_outputs", ",".join(names)),) if names else ()
 
     def _count_failure(self, reason: str) -> None:
         first = reason not in self.failed_requests

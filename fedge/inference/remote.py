@@ -50,6 +50,7 @@ class Prediction:
     version: str
     replica: int = 0
     kind: str = ""  # what the outputs are, as the model's manifest says: "classes", "values" or unknown
+    other_outputs: tuple[str, ...] = ()  # outputs after the first an array request's answer leaves out
 
 
 class InferenceClient:
@@ -192,5 +193,6 @@ class InferenceClient:
                 fields.get("version", ""),
                 int(replica) if replica.isdigit() else 0,
                 fields.get("outputs", ""),
+                tuple(filter(None, fields.get("other_outputs", "").split(","))),
             )
         )

@@ -129,6 +129,10 @@ def measure_variants(
     return results
 
 
+# 100 * (109/300 - 106/300) is 1.0000000000000009: a drop of exactly the bound is within it
+_PP_ROUNDING = 1e-9
+
+
 def select_variant(
     measurements: list[VariantMeasurement],
     batch: int,
@@ -153,7 +157,7 @@ def select_variant(
         p50 = m.latency_ms[batch][0]
         if fp32.accuracy is None or m.accuracy is None:  # nothing says it is within the bound
             notes.append(f"{m.variant}: no accuracy measured for it and fp32, so none to bound")
-        elif 100 * (fp32.accuracy - m.accuracy) > max_drop_pp:
+        elif 100 * (fp32.accuracy - m.accuracy) > max_drop_pp + _PP_ROUNDING:
             notes.append(
                 f"{m.variant} outside the {max_drop_pp:g} pp accuracy bound "
                 f"({m.accuracy:.4f} vs fp32's {fp32.accuracy:.4f})"

@@ -28,6 +28,14 @@ def test_fastest_within_bound_wins():
     assert "int8-dynamic outside the 1 pp accuracy bound (0.9000 vs fp32's 0.9500)" in chosen.reason
 
 
+def test_a_drop_of_exactly_the_bound_is_within_it():
+    """3 rows of 300 are 1 pp, but 100 * (109/300 - 106/300) is 1.0000000000000009 (inference sweep)."""
+    chosen = select_variant([_m("fp32", 1.0, 109 / 300), _m("int8-static", 0.5, 106 / 300)], 1)
+    assert chosen.variant == "int8-static"
+    worse = select_variant([_m("fp32", 1.0, 109 / 300), _m("int8-static", 0.5, 105 / 300)], 1)
+    assert worse.variant == "fp32"
+
+
 def test_int8_slower_than_fp32_is_never_served():
     chosen = select_variant(
         [_m("fp32", 1.0, 0.95), _m("int8-static", 1.3, 0.96), _m("int8-dynamic", 7.0, 0.95)], 1

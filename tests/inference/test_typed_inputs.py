@@ -572,3 +572,40 @@ def test_only_flat_rows_are_reshaped_to_the_models_input():
     assert fit_to_shape(flat.reshape(3, 2, 32), shape).shape == (3, 2, 32)
     with pytest.raises(InputError, match=r"shape \[32, 2\] but the model takes \[2, 32\]"):
         fit_to_shape(flat.reshape(3, 32, 2), shape)
+
+
+def test_an_array_request_to_a_two_headed_model_says_which_outputs_it_left_out(mqtt, tmp_path):
+    """``fedge infer`` with an ``.npy`` showed the first head only, without a word (inference sweep)."""
+    import uuid
+
+    from waiting import wait_until
+
+    from fedge.cli import app as cli
+    from fedge.inference.agent import InferenceAgent, InferenceAgentConfig
+    from fedge.inference.distribution import publish_model
+    from fedge.inference.remote import InferenceClient
+    from fedge.transport.artifact_channel import ArtifactPublisher
+    from fedge.transport.connection import MqttConnection
+    from fedge.transport.topics import Topics
+
+    torch.manual_seed(0)
+    rows = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
+    manifest = export_onnx(_TwoHeads(False).eval(), rows[:2], tmp_path / "two.onnx")
+    config = mqtt()
+    coordinator = MqttConnection(config, f"coord-{uuid.uuid4().hex[:6]}")
+    coordinator.start()
+    try:
+        artifacts = {"fp32": ((tmp_path / "two.onnx").read_bytes(), manifest)}
+        publish_model(ArtifactPublisher(coordinator, Topics(config.fleet)), "h1", artifacts)
+        agent_config = InferenceAgentConfig(node_id="dev-h", mqtt=mqtt(), model_dir=str(tmp_path / "dev"))
+        with InferenceAgent(agent_config) as agent, InferenceClient(mqtt()) as client:
+            wait_until(lambda: agent.server.serving_version == "h1")
+            assert client.predict("dev-h", rows[:3]).other_outputs == ("logits_1",)
+            assert client.predict("dev-h", {"input": rows[:3]}).other_outputs == ()  # every output, by name
+            np.save(tmp_path / "rows.npy", rows[:3])
+            args = ["infer", "--broker", config.broker_url, "--fleet", config.fleet, "--node", "dev-h"]
+            result = CliRunner().invoke(cli, [*args, "--input", str(tmp_path / "rows.npy")])
+            assert result.exit_code == 0, result.output
+            assert "warning: the model's other outputs (logits_1) are not in the answer" in result.output
+    finally:
+        coordinator.close()
