@@ -110,15 +110,29 @@ def status(
         for node, rounds in counted.items() if not json_out else ():
             typer.echo(f"{node:<24} {len(rounds):>4} rounds: {_ranges(rounds)}")
         return
-    if json_out:
-        typer.echo(json.dumps(current))
-        return
     try:
+        _check_status(current)  # --json too: it printed a damaged file and exited 0
+        if json_out:
+            typer.echo(json.dumps(current))
+            return
         _print_status(current)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise fail(
-            f"{state_dir / 'status.json'} is not a coordinator's status ({type(err).__name__}: {err})"
-        ) from None
+        why = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        raise fail(f"{state_dir / 'status.json'} is not a coordinator's status: {why}") from None
+
+
+_STATUS_KEYS = ("round", "rounds", "online_nodes", "updated_at", "pid")
+
+
+def _check_status(current: object) -> None:
+    """ValueError naming what a coordinator's ``status.json`` would hold and this one does not."""
+    if not isinstance(current, dict):
+        raise ValueError(f"it holds a JSON {type(current).__name__}, not an object")
+    missing = [key for key in _STATUS_KEYS if key not in current]
+    if missing:
+        raise ValueError(f"it lacks {', '.join(map(repr, missing))}")
+    if not isinstance(current["online_nodes"], list):
+        raise ValueError(f"online_nodes is {current['online_nodes']!r}, not a list")
 
 
 def _print_status(current: dict) -> None:

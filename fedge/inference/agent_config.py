@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedge.config import ConfigError, check_types, from_table, read_toml
+from fedge.config import ConfigError, check_types, error_line, from_table, read_toml
 from fedge.inference.priority import MAX_NICE
 from fedge.inference.serving import Canary
 from fedge.inference.session import SessionConfig
@@ -146,11 +146,14 @@ def read_canary(path: str, min_accuracy: float) -> Canary | None:
     if not path:
         return None
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # an .npy (one array) under any name
+            raise ValueError("not an .npz archive (want arrays 'inputs' and, optionally, 'labels')")
+        with data:
             inputs = data["inputs"]  # fed in the model's input type when used
             labels = data["labels"] if "labels" in data.files else None
-    except (OSError, KeyError, ValueError) as err:
-        raise ConfigError(f"canary file {path} cannot be read: {err}") from None
+    except (OSError, KeyError, ValueError, EOFError) as err:
+        raise ConfigError(f"canary file {path} cannot be read: {error_line(err)}") from None
     try:
         return Canary(inputs, labels, min_accuracy)
     except ValueError as err:

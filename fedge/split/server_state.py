@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,11 @@ def load_split_checkpoint(state_dir: str | Path) -> SplitCheckpoint | None:
             run_key=int(meta.get("run_key", 0)),
             **groups,
         )
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"split checkpoint {path} cannot be read: {err}") from None
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
+        # numpy's own words for a damaged file mislead ("pickled data ... load it unsafely")
+        raise ConfigError(
+            f"split checkpoint {path} is damaged (truncated or not a checkpoint): {type(err).__name__}"
+        ) from None
 
 
 def flatten(nested: dict[str, dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:

@@ -275,13 +275,23 @@ def test_status_audit_says_so_when_no_update_has_counted_yet(tmp_path):
     assert result.exit_code == 0 and result.output == "no node's update has counted in any round yet\n"
 
 
-def test_status_of_a_file_that_is_not_a_coordinators_is_one_line(tmp_path):
+@pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"round": 1}', "it lacks 'rounds', 'online_nodes', 'updated_at', 'pid'"),
+        ("[1, 2]", "it holds a JSON list, not an object"),
+        ('{"round": 1, "rounds": 2, "online_nodes": 3, "updated_at": 1, "pid": 1}', "online_nodes is 3"),
+    ],
+)
+def test_status_of_a_file_that_is_not_a_coordinators_is_one_line(tmp_path, as_json, text, why):
+    """--json printed a damaged file and exited 0 (CLI sweep); the error names what is missing."""
     (tmp_path / "s").mkdir()
-    (tmp_path / "s" / "status.json").write_text('{"round": 1}')
+    (tmp_path / "s" / "status.json").write_text(text)
     path = tmp_path / "c.toml"
     path.write_text(f'state_dir = "{tmp_path}/s"\n')
-    result = runner.invoke(app, ["status", "--config", str(path)])
-    assert result.exit_code == 2 and "is not a coordinator's status (KeyError: 'rounds')" in result.output
+    result = runner.invoke(app, ["status", "--config", str(path), *(["--json"] if as_json else [])])
+    assert result.exit_code == 2 and f"is not a coordinator's status: {why}" in result.output
 
 
 @pytest.mark.parametrize(
@@ -299,7 +309,7 @@ def test_status_with_a_damaged_time_is_refused_in_one_line(tmp_path, field, valu
     path.write_text(f'state_dir = "{tmp_path}/s"\n')
     result = runner.invoke(app, ["status", "--config", str(path)])
     assert result.exit_code == 2, result.output
-    assert f"is not a coordinator's status (ValueError: {field} is" in result.output
+    assert f"is not a coordinator's status: {field} is" in result.output
     assert "inf s ago" not in result.output and "nan s ago" not in result.output
 
 

@@ -182,6 +182,13 @@ def test_a_canary_set_that_cannot_judge_a_model_is_refused_when_it_is_made(tmp_p
         with pytest.raises(ConfigError, match=message):
             read_canary(str(path), 0.5)
     assert Canary(rows, np.arange(4.0), 0.5).labels is not None  # whole numbers stored as floats are classes
+    np.save(tmp_path / "rows.npy", rows)  # one array named like an archive: a TypeError traceback (CLI sweep)
+    (tmp_path / "rows.npy").rename(tmp_path / "rows.npz")
+    with pytest.raises(ConfigError, match=r"rows\.npz cannot be read: not an \.npz archive"):
+        read_canary(str(tmp_path / "rows.npz"), 0.5)
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"empty\.npz cannot be read"):
+        read_canary(str(tmp_path / "empty.npz"), 0.5)
 
 
 def test_a_labelled_canary_refuses_a_model_without_class_scores_and_the_old_one_serves(

@@ -129,3 +129,14 @@ def test_too_few_agents_is_one_line_saying_how_many_came(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         "error: 0 of the 2 nodes the run needs (min_nodes) came online within 1 s"
     )
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b""])
+def test_a_damaged_split_checkpoint_is_named_without_numpys_advice_to_unpickle_it(tmp_path, content):
+    """numpy's error told the user how to load a pickle the file did not hold (CLI sweep)."""
+    from fedge.split.server_state import SPLIT_CHECKPOINT_FILE, load_split_checkpoint
+
+    (tmp_path / SPLIT_CHECKPOINT_FILE).write_bytes(content)
+    with pytest.raises(ConfigError, match="is damaged \\(truncated or not a checkpoint\\)") as raised:
+        load_split_checkpoint(tmp_path)
+    assert "pickle" not in str(raised.value)
