@@ -7,6 +7,7 @@ run, so they work in a ``fedge[infer]`` install without torch or Flower.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -54,12 +55,15 @@ def serve(
     flags = [*(["-v"] if verbose else []), *(["--log-json"] if log_json else [])]
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "fedge", "serve", "--config", str(config), "--replica", str(i), *flags]
+            [sys.executable, "-m", "fedge", "serve", "--config", str(config), "--replica", str(i), *flags],
+            env={**os.environ, _PARENT_ENV: str(os.getpid())},
         )
         for i in others
     ]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if replica is not None and os.environ.get(_PARENT_ENV, "").isdigit():
+        _stop_with_parent(int(os.environ[_PARENT_ENV]), stop)
     try:
         agent.run_forever(stop)
     except ConnectionError as err:
@@ -71,6 +75,27 @@ def serve(
             child.terminate()
         for child in children:
             child.wait(30)
+
+
+_PARENT_ENV = "FEDGE_SERVE_PARENT"  # the pid of the serve process that started a replica
+
+
+def _stop_with_parent(parent: int, stop: threading.Event, every_s: float = 0.5) -> None:
+    """Set ``stop`` once the process that started this replica is gone (killed, crashed, out of memory):
+    an orphaned replica went on answering under the device's name and fought every restarted one for its
+    client id."""
+    import logging
+
+    log = logging.getLogger("fedge.cli")
+
+    def watch() -> None:
+        while os.getppid() == parent:  # re-parented (to init or a subreaper) once it is gone
+            if stop.wait(every_s):
+                return
+        log.warning("the serve process %d that started this replica is gone", parent)
+        stop.set()
+
+    threading.Thread(target=watch, name="fedge-replica-parent", daemon=True).start()
 
 
 def infer(

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -442,3 +445,49 @@ def _listed(where: list[str], *texts: str) -> bool:
     assert listed.exit_code == 0, listed.output
     lines = [line for line in listed.stdout.splitlines() if line.startswith("dev-1")]
     return any(all(text in line for text in texts) for line in lines)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()  # noqa: SIM115
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: SIM115
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_replica_stops_when_the_serve_process_that_started_it_is_killed(mqtt, tmp_path):
+    """SIGKILL (or the OOM killer) of the first replica left the second serving under the device's name and
+    fighting every restarted agent for its client id (CLI sweep)."""
+    config = mqtt()
+    (tmp_path / "infer.toml").write_text(
+        f'node_id = "dev-r"\nmodel_dir = "{tmp_path / "models"}"\nreplicas = 2\n\n'
+        f'[mqtt]\nbroker_url = "{config.broker_url}"\nfleet = "{config.fleet}"\n'
+    )
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    command = [sys.executable, "-m", "fedge", "serve", "--config", str(tmp_path / "infer.toml")]
+    main = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    replicas: list[int] = []
+    try:
+        wait_until(lambda: replicas.extend(_children(main.pid)) or replicas, 60)
+        main.kill()
+        main.wait(30)
+        wait_until(lambda: not _alive(replicas[0]), 60)
+    finally:
+        main.kill()
+        for pid in replicas:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
