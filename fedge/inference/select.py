@@ -108,14 +108,19 @@ def measure_variants(
 
     ``paths`` maps each variant to its model file, or to the model's bytes.
 
-    ``sample`` provides the inputs (one array, or arrays by input name for a model of several): its first
-    rows, repeated as needed, form each batch. Variants are measured in turns, round-robin, so a burst of
-    load on the device does not favour one of them.
+    ``sample`` provides the inputs (one array, or arrays by input name or in order for a model of several):
+    its first rows, repeated as needed, form each batch. Variants are measured in turns, round-robin, so a
+    burst of load on the device does not favour one of them.
     """
     sessions = {
         name: make_session(model if isinstance(model, bytes) else str(model), config)
         for name, model in paths.items()
     }
+    first = next(iter(sessions.values()), None)
+    if first is not None:  # a tuple of inputs, as the export takes them: by the graph's input names
+        sample = _by_name(sample, first)
+        if labelled is not None:
+            labelled = (_by_name(labelled[0], first), labelled[1])
     latency = _latency_in_turns(sessions, sample, batches, runs, warmup)
     results = []
     for name, session in sessions.items():
@@ -127,6 +132,18 @@ def measure_variants(
         size = len(model) if isinstance(model, bytes) else Path(model).stat().st_size
         results.append(VariantMeasurement(name, size, per_batch, accuracy))
     return results
+
+
+def _by_name(inputs: Feeds | tuple | list, session) -> Feeds:
+    """``inputs`` as they are, or a tuple or list of them (an export's multi-input sample) by the session's
+    input names in order."""
+    if not isinstance(inputs, tuple | list):
+        return inputs
+    names = [i.name for i in session.get_inputs()]
+    if len(inputs) != len(names):
+        listed = ", ".join(names)
+        raise ValueError(f"{len(inputs)} arrays given for a model of {len(names)} inputs ({listed})")
+    return dict(zip(names, inputs, strict=True))
 
 
 # 100 * (109/300 - 106/300) is 1.0000000000000009: a drop of exactly the bound is within it

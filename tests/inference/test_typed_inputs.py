@@ -440,6 +440,12 @@ def test_a_model_of_two_inputs_exports_quantizes_and_serves_by_name(keyword, tok
     sample = dict(zip(names, (tokens[:4], mask[:4]), strict=True))
     measured = measure_variants({v: p for v, (p, _) in results.items()}, sample, runs=6, warmup=1)
     assert len(measured) == 3 and all(m.latency_ms[32][0] > 0 for m in measured)
+    # in order, as the export takes them (numpy's traceback; inference sweep), with labels too
+    files = {v: p for v, (p, _) in results.items() if v == "fp32"}
+    (again,) = measure_variants(files, (tokens[:4], mask[:4]), labelled=((tokens, mask), labels), runs=2)
+    assert again.accuracy == fp32.accuracy
+    with pytest.raises(ValueError, match="1 arrays given for a model of 2 inputs"):
+        measure_variants(files, (tokens[:4],), runs=2)
 
 
 def test_a_token_model_travels_as_a_weights_delta(token_model, tokens, tmp_path):
