@@ -119,6 +119,11 @@ def fit_to_shape(rows: np.ndarray, shape: list[int | str | None]) -> np.ndarray:
     have the model's (a channels-last ``(32, 2)`` row for a ``(2, 32)`` input was reshaped, and its values
     scrambled, where it must be refused).
     """
+    if rows.ndim == 1 and len(shape) > 1:  # one row saved without its batch axis, or a column of values
+        raise InputError(
+            f"the input is one axis of {len(rows)} values; the model takes rows of shape {list(shape[1:])} "
+            f"after a batch axis (one row is shape (1, ...): save it as x[None])"
+        )
     fixed = [d for d in shape[1:]]
     if any(not isinstance(d, int) for d in fixed):
         return rows  # dynamic non-batch axes: feed as given

@@ -184,7 +184,7 @@ class ModelServer:
             raise InputError(f"the model takes {count} inputs ({names}): send them by name (.npz)")
         if np.ndim(inputs) == 0 or len(inputs) == 0:  # fedge predict refuses these too
             raise InputError("the request holds no rows")
-        if np.ndim(inputs) == 2 and len(model.input_shape) > 2:  # flat rows (a CSV's): the model's shape
+        if np.ndim(inputs) in (1, 2) and len(model.input_shape) > np.ndim(inputs):  # flat rows: the model's
             inputs = fit_to_shape(inputs, list(model.input_shape))
         feed = {model.input_name: model.feed(model.input_name, inputs)}
         start = time.perf_counter()

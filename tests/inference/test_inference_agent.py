@@ -175,6 +175,9 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
             client.predict("dev-1", np.zeros((17, 1, 8, 8), np.float32))
         with pytest.raises(InferenceError, match=r"each input row has 3 values but the model takes 64"):
             client.predict("dev-1", np.zeros((2, 3), np.float32))
+        # one row without its batch axis: ORT's "Invalid rank for input" before (inference sweep)
+        with pytest.raises(InferenceError, match=r"the input is one axis of 8 values.*after a batch axis"):
+            client.predict("dev-1", np.zeros(8, np.float32))
         flat = digits_test[0][:2].reshape(2, -1)  # rows as in a CSV: the device fits its model's shape
         np.testing.assert_array_equal(
             client.predict("dev-1", flat).outputs, client.predict("dev-1", digits_test[0][:2]).outputs
@@ -193,7 +196,7 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
         with pytest.raises(InferenceError, match="Invalid rank"):  # the request's fault: a bad request
             client.predict("dev-1", np.zeros((2, 1, 64), np.float32), timeout=10)
         assert agent.failed_requests == {
-            "bad-request": 4,
+            "bad-request": 5,
             "no-response-topic": 1,
             "bad-response-topic": 1,
         }

@@ -86,6 +86,7 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
     np.savez(tmp_path / "unnamed.npz", np.zeros((2, 64), np.float32))  # key arr_0, not the model's input
     np.savez(tmp_path / "flat.npz", input=np.zeros((2, 64), np.float32), unused=np.zeros(2))
     np.save(tmp_path / "empty.npy", np.zeros((0, 64), np.float32))  # was a traceback with --out
+    np.save(tmp_path / "row.npy", np.zeros(64, np.float32))  # one row without its batch axis
     cases = [
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "empty.csv")], "holds no rows"),
         (
@@ -98,6 +99,10 @@ def test_bad_inputs_end_in_one_line(variants, tmp_path):
         ),
         (["--model", str(tmp_path / "missing.onnx"), "--input", str(wrong)], "does not exist"),
         (["--model", str(variants["fp32"][0]), "--input", str(wrong)], "3 values but the model takes 64"),
+        (
+            ["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "row.npy")],
+            "one axis of 64 values; the model takes rows of shape [1, 8, 8] after a batch axis",
+        ),
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path / "nope.npy")], "does not exist"),
         (["--model", str(tmp_path), "--input", str(wrong)], "is a directory"),
         (["--model", str(variants["fp32"][0]), "--input", str(tmp_path)], "is a directory"),
