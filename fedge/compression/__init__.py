@@ -13,6 +13,7 @@ Decoding untrusted bytes raises only :class:`CodecError` subclasses. The spec gr
 
 from fedge.compression.bound import Schema, bind, is_bound, unbind
 from fedge.compression.codec import DEFAULT_DENSE_PATTERNS, Codec, TensorPolicy, dense_nbytes
+from fedge.compression.conformance import nonconforming
 from fedge.compression.describe import describe_codec
 from fedge.compression.errors import (
     CodecConfigError,
@@ -79,6 +80,7 @@ __all__ = [
     "describe_codec",
     "inspect_payload",
     "is_bound",
+    "nonconforming",
     "position_bound_bits",
     "unbind",
 ]

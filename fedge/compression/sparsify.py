@@ -79,6 +79,10 @@ class TopK:
         density = min(1.0, max(self.density, self.min_count / sparsified_elements))
         return self if density == self.density else replace(self, density=density)
 
+    def count(self, n: int) -> int:
+        """Number of positions kept out of ``n``."""
+        return _count(self.density, n)
+
     def select(self, flat: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """Sorted positions of the top ``k`` entries of ``flat`` (float32, 1-D)."""
         k = _count(self.density, flat.size)

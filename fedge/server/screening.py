@@ -42,6 +42,7 @@ from fedge.compression import (
     dense_nbytes,
     inspect_payload,
     is_bound,
+    nonconforming,
     unbind,
 )
 from fedge.protocol.arrays import array_to_numpy
@@ -189,11 +190,17 @@ def screen_reply(
             if schema is None:
                 raise Rejected("undecodable", "payload bound to a schema, but this round has none")
             payload = unbind(payload, schema, max_elements=max(size, 1))  # the schema's codec, or fp32's
-        spec = inspect_payload(payload, max_elements=max(size, 1)).spec if schema is not None else None
+        info = inspect_payload(payload, max_elements=max(size, 1)) if schema is not None else None
+        spec = info.spec if info is not None else None
         if schema is not None and spec not in (schema.spec, _FALLBACK_SPEC):
             # A payload names its own codec: one dense where top-k was instructed is "sent" every
             # coordinate, and so outvotes the others on nearly all of them under a sparse robust rule.
             raise Rejected("wrong_codec", f"payload of codec {spec!r}, the instruction's is {schema.spec!r}")
+        if info is not None and schema is not None and spec == schema.spec:  # the name proves nothing
+            dtypes = {name: dtype for name, dtype, _ in schema.tensors}
+            reason = nonconforming(info, _codec(schema.spec), dtypes)
+            if reason is not None:
+                raise Rejected("wrong_codec", reason)
         decoded = decode(payload, max_elements=max(size, 1))
         if (
             schema is not None
