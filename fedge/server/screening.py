@@ -3,7 +3,8 @@
 A reply is rejected, never fatal, when it
 
 * carries no compressed update, or one trained from another model version (``no_update``, ``stale``);
-* has no usable weight (``bad_weight``: ``num-examples`` missing, not a positive finite number);
+* has no usable weight (``bad_weight``: ``num-examples`` missing, not a positive finite number, or over
+  :data:`MAX_WEIGHT`);
 * does not decode within the model's size (``undecodable``: garbage, truncated, corrupted bytes);
 * decodes to other tensor names or shapes than the model's (``wrong_tensors``);
 * is of another codec than its instruction named, or the plain-fp32 fallback where that codec, on the very
@@ -79,8 +80,8 @@ REJECTION_REASONS = (
 REJECTION_MEANINGS = {
     "no_update": "no update in the reply",
     "stale": "trained from another model version",
-    "bad_weight": "num-examples missing, or not a positive finite number: the task's train() must return "
-    "the count of examples it trained on",
+    "bad_weight": "num-examples missing, not a positive finite number, or over 2**53: the task's train() "
+    "must return the count of examples it trained on",
     "undecodable": "the update does not decode",
     "wrong_tensors": "other tensor names or shapes than the model's",
     "non_finite": "NaN or infinite values",
@@ -339,7 +340,14 @@ def _weight(content: RecordDict, key: str) -> float:
     value = records[0][key]
     if isinstance(value, list) or not (math.isfinite(value) and value > 0):
         raise Rejected("bad_weight", f"{key} = {value!r} is not a positive finite number")
+    if value > MAX_WEIGHT:  # 1e308 from every node made the weights' sum infinite: a model of NaN or zeros
+        raise Rejected("bad_weight", f"{key} = {value!r} is over {MAX_WEIGHT:.0f}: no count of examples")
     return float(value)
+
+
+MAX_WEIGHT = 2**53
+"""The largest weight a reply may claim: every count up to it is exact in a float, and a sum of millions of
+them stays finite."""
 
 
 def outlier_rejections(

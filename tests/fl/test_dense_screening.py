@@ -69,7 +69,7 @@ def test_bad_replies_are_rejected_by_reason_and_the_honest_ones_aggregated():
         _reply(7, {**MODEL, "extra": np.ones(2)}, {"num-examples": 10.0}),
         _reply(8, None, {"num-examples": 10.0}),
         _reply(9, MODEL, {"num-examples": float("nan")}),
-        _reply(10, MODEL, {"num-examples": 1e30}),
+        _reply(10, MODEL, {"num-examples": 1e15}),
         _reply(11, {"w": np.full((2, 3), 100.0, np.float32), "count": np.array(5)}, {"num-examples": 10.0}),
     ]
     arrays, metrics = strategy.aggregate_train(1, replies)
@@ -205,3 +205,16 @@ def test_update_norms_are_taken_without_blas(monkeypatch):
     assert checked.norm == pytest.approx(math.sqrt(5003))
     assert model_norm(model) == pytest.approx(math.sqrt(5000))
     assert residual_norm({"w": np.full(4, 2.0, np.float32)}) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("nodes", [2, 5])
+def test_a_weight_no_count_of_examples_could_be_is_rejected_before_the_sum_overflows(nodes):
+    """Every node claiming 1e308 examples passed each test (finite, positive, no outlier among equals) and
+    made the weights' sum infinite: a model of NaN or zeros, and a run that exited 0 (attack sweep)."""
+    strategy = _strategy()
+    replies = [_honest(node, 1.0, examples=1e308) for node in range(1, nodes + 1)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is None and strategy.round_metrics(1)["rejected_bad_weight"] == nodes
+    exact = [_honest(node, 1.0, examples=float(2**53)) for node in range(1, nodes + 1)]
+    arrays, _ = strategy.aggregate_train(2, exact)  # the largest count a float holds exactly still counts
+    np.testing.assert_allclose(arrays["w"].numpy(), np.ones((2, 3)))

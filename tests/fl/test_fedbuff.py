@@ -428,7 +428,7 @@ def test_a_dense_reply_claiming_a_huge_weight_is_rejected_from_its_buffer():
     from flwr.app import MetricRecord
 
     def inflated(reply, msg):
-        next(r for r in reply.content.values() if isinstance(r, MetricRecord))["num-examples"] = 1e30
+        next(r for r in reply.content.values() if isinstance(r, MetricRecord))["num-examples"] = 1e15
         return reply
 
     grid = LocalGrid(_node_zero(inflated), 4, workers=1)
