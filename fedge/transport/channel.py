@@ -162,6 +162,12 @@ class ReliableChannel:
             else:
                 self.receiver_stats.note(topic, reason)
 
+    def forget_delivered(self, topic: str, message_id: str) -> None:
+        """Deliver a later message of ``message_id`` on ``topic`` again (see
+        :meth:`Reassembler.forget_message`)."""
+        with self._cond:
+            self._reassembler.forget_message(topic, message_id)
+
     def drop_snapshot(self) -> dict[str, dict[str, int]]:
         """A copy of the per-topic counts: topic -> reason -> count."""
         with self._cond:

@@ -190,6 +190,11 @@ class CoordinatorEndpoint(_Endpoint):
             self.topics.inbox(node_id), payload, message_id=message_id, expiry_s=expiry_s
         )
 
+    def forget_delivered(self, node_id: str, message_id: str) -> None:
+        """Deliver a later message of ``message_id`` from ``node_id`` again: the one delivered was refused (a
+        forged or garbled reply under the id the node's real reply comes with)."""
+        self.channel.forget_delivered(self.topics.outbox(node_id), message_id)
+
     def set_message_limit(self, limit: Callable[[str], int | None] | None) -> None:
         """Cap each message a node sends at ``limit(node_id)`` bytes, from now on.
 

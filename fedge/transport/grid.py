@@ -248,7 +248,7 @@ class MqttGrid(RunGrid):
                     raise SignatureError("no key for this node")
                 payload = verify(key, payload)
             except SignatureError as err:
-                self._reject(delivery.node_id, "?", "signature", str(err))
+                self._refuse(delivery, "signature", str(err))
                 return
         if delivery.message_id.startswith(PROFILE_PREFIX):
             self._on_profile(delivery.node_id, payload)
@@ -262,9 +262,15 @@ class MqttGrid(RunGrid):
         try:
             reply = message_from_bytes(payload, max_bytes=self._max_message_bytes)
         except MessageDecodeError as err:
-            self._reject(delivery.node_id, "?", "undecodable", str(err))
+            self._refuse(delivery, "undecodable", str(err))
             return
-        self._settle(delivery, reply.metadata.reply_to_message_id, lambda awaited: reply)
+        answered = reply.metadata.reply_to_message_id
+        if delivery.message_id.startswith(REPLY_PREFIX) and delivery.message_id != REPLY_PREFIX + answered:
+            # agents send a reply under reply:<the instruction it answers>: another one under that id (an old
+            # round's reply again) would settle nothing and use up the id the real reply needs
+            self._refuse(delivery, "undecodable", f"a reply to {answered!r} sent as {delivery.message_id!r}")
+            return
+        self._settle(delivery, answered, lambda awaited: reply)
 
     def _on_envelope(self, delivery: Delivery, payload: bytes) -> None:
         """A reply in the compact envelope: its metadata is the awaited instruction's, answered.
@@ -278,7 +284,7 @@ class MqttGrid(RunGrid):
                 raise EnvelopeError(f"reply with message id {delivery.message_id!r}, not {REPLY_PREFIX}<id>")
             content = decode_content(payload)
         except EnvelopeError as err:
-            self._reject(delivery.node_id, "?", "undecodable", str(err))
+            self._refuse(delivery, "undecodable", str(err))
             return
 
         def reply_for(awaited: _Awaited) -> Message:
@@ -301,7 +307,7 @@ class MqttGrid(RunGrid):
                 )
             refusal = decode_refusal(payload)
         except ValueError as err:
-            self._reject(delivery.node_id, "?", "undecodable", str(err))
+            self._refuse(delivery, "undecodable", str(err))
             return
 
         def error_reply(awaited: _Awaited) -> Message:
@@ -373,6 +379,13 @@ class MqttGrid(RunGrid):
         self._finished[instruction_id] = server_round
         while len(self._finished) > _FORGET_AFTER:
             self._finished.popitem(last=False)
+
+    def _refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """Drop a delivery that answers nothing, and let the transport take its message id again: one bad
+        message under ``reply:<id>`` on a node's outbox had used up the id its real reply came with, which
+        was then dropped as a duplicate while the round waited out its timeout."""
+        self._reject(delivery.node_id, "?", reason, detail)
+        self.endpoint.forget_delivered(delivery.node_id, delivery.message_id)
 
     def _reject(self, node: str, server_round: str, reason: str, detail: str) -> None:
         self.dropped[reason] += 1

@@ -246,6 +246,12 @@ class Reassembler:
             return AckFrame(frame.transfer_id, AckStatus.PROGRESS, partial.total, bytes(partial.held)), None
         return None, None
 
+    def forget_message(self, stream: str, message_id: str) -> None:
+        """Take ``message_id`` from ``stream`` again, as if it had never completed (the application refused
+        what came under it: a forged or garbled message must not use up the id the sender's real one needs).
+        The completed transfer itself stays done."""
+        self._done.discard(stream, ("m", message_id))
+
     def on_probe(self, stream: str, frame: ProbeFrame) -> AckFrame:
         """Answer a sender's probe with DONE, or the chunks held (none if the transfer is unknown here)."""
         if self._done.holds(stream, ("t", frame.transfer_id)):

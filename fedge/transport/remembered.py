@@ -57,6 +57,16 @@ class Remembered:
         while self._count > self.capacity:
             self._forget_oldest(sender)
 
+    def discard(self, sender: str, key: Hashable) -> None:
+        """Forget ``sender``'s ``key`` if it is remembered."""
+        keys = self._keys.get(sender)
+        if keys is None or key not in keys:
+            return
+        del keys[key]
+        self._count -= 1
+        if not keys:
+            del self._keys[sender]
+
     def _forget_oldest(self, newest: str) -> None:
         # The sender that just added is usually the one over its share (a flood): checked first, so the
         # search over every sender happens only when someone else holds more.

@@ -113,6 +113,36 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
     assert [e["round"] for e in audit if e.get("reason") == "late"] == ["1", "2"]
 
 
+@pytest.mark.parametrize("forgery", ["garbage", "an older reply"])
+def test_a_bad_message_under_a_replys_id_does_not_use_up_the_id_of_the_real_reply(mqtt, forgery):
+    """One message on a node's outbox under ``reply:<instruction>`` that the Grid refused (garbage, or the
+    node's previous reply sent again) had the real reply dropped as a transport duplicate, and the round
+    waited out its timeout (attack sweep)."""
+    with MqttGrid(mqtt()) as grid:
+        alice = _node(mqtt, "alice")
+        try:
+            assert grid.wait_for_nodes(1, timeout=20)
+            (first_id,) = grid.push_messages([_instruction(grid, "alice")])
+            first = alice.receive(timeout=10)
+            assert first is not None
+            old_reply = _reply_to(bytes(first.payload))
+            alice.send(old_reply, message_id=f"reply:{first_id}").wait(10)
+            wait_until(lambda: grid.pull_messages([first_id]), 10)
+
+            (second_id,) = grid.push_messages([_instruction(grid, "alice", server_round=2)])
+            second = alice.receive(timeout=10)
+            assert second is not None
+            bad = b"\x00garbage" if forgery == "garbage" else old_reply
+            alice.send(bad, message_id=f"reply:{second_id}").wait(10)
+            wait_until(lambda: grid.dropped["undecodable"] == 1, 10)
+            alice.send(_reply_to(bytes(second.payload)), message_id=f"reply:{second_id}").wait(10)
+            pulled: list = []
+            wait_until(lambda: pulled.extend(grid.pull_messages([second_id])) or pulled, 10)
+            assert [m.metadata.reply_to_message_id for m in pulled] == [second_id]
+        finally:
+            alice.close()
+
+
 def test_a_reply_is_audited_before_the_serverapp_can_pull_it(mqtt):
     """The round may be committed as soon as its replies are pulled: an ``accepted`` line written after the
     hand-over left a counted node out of a commit once in 1,600 rounds (long-run sweep)."""

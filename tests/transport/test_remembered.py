@@ -61,3 +61,19 @@ def test_a_requester_flooding_answers_does_not_make_another_requesters_late_chun
     # a late duplicate of the honest message's chunk is still known as done: no partial opens
     assert assembler.add("reply/honest", b"k", 1, 2, b"cd", 0.0) is None
     assert assembler.open_messages("reply/honest") == 0
+
+
+def test_a_discarded_key_is_forgotten_and_frees_its_room():
+    memory = Remembered(capacity=3)
+    for key in ("a", "b"):
+        memory.add("n1", key)
+    memory.add("n2", "c")
+    memory.discard("n1", "a")
+    memory.discard("n1", "missing")  # nothing to forget: no error
+    memory.discard("n9", "a")
+    assert not memory.holds("n1", "a") and memory.holds("n1", "b") and len(memory) == 2
+    memory.discard("n2", "c")
+    assert memory.held_by("n2") == 0 and len(memory) == 1
+    for key in ("x", "y"):
+        memory.add("n3", key)
+    assert memory.holds("n1", "b") and len(memory) == 3  # the freed room was used, nothing evicted
