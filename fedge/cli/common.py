@@ -66,12 +66,14 @@ def config_errors() -> Iterator[None]:
         raise fail(str(err)) from None
 
 
-def interrupt_on_sigterm() -> list[int]:
+def interrupt_on_sigterm(*, record_sigint: bool = False) -> list[int]:
     """Make SIGTERM end the command as Ctrl-C does; returns the list the signal is recorded in.
 
     ``systemctl stop`` sends SIGTERM: a service ends through its own clean-up (the broker session closed,
-    status and checkpoint written), and exits with status 0 when the list is not empty, so a supervisor
-    does not count the stop as a failure (130 is Ctrl-C's).
+    status and checkpoint written), and exits with status 0 when SIGTERM is in the list, so a supervisor
+    does not count the stop as a failure (130 is Ctrl-C's). With ``record_sigint`` Ctrl-C is recorded
+    too: an engine whose threads fail once interrupted (Ray's actors die with the run) can then tell the
+    failure it raises instead of KeyboardInterrupt from a failure of the run itself.
     """
     received: list[int] = []
 
@@ -80,6 +82,8 @@ def interrupt_on_sigterm() -> list[int]:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
+    if record_sigint:
+        signal.signal(signal.SIGINT, _interrupt)
     return received
 
 

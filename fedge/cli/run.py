@@ -5,16 +5,23 @@ from __future__ import annotations
 import importlib.util
 import os
 import pkgutil
+import signal
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from fedge.cli.common import check_out_dir, config_errors, configure_logging, fail, interrupt_on_sigterm
 from fedge.config import ConfigError, read_toml
+
+if TYPE_CHECKING:  # the commands import these when they run
+    from rich.console import Console
+
+    from fedge.reporting.history import RoundMetrics
+    from fedge.simulation.config import SimulationConfig
 
 __all__ = ["bench", "parse_task_args", "simulate"]
 
@@ -100,7 +107,6 @@ def simulate(
 
     from fedge.app.task import load_task, prepare_task
     from fedge.reporting.display import RoundProgress, fleet_table, summary_table
-    from fedge.reporting.history import RoundMetrics, RunHistory
     from fedge.server.runner import RunFailed
     from fedge.simulation.config import SimulationConfig
     from fedge.simulation.engines import run_simulation
@@ -157,11 +163,14 @@ def simulate(
         attack = f", attack {sim.app.attack} by {sim.app.attackers:.0%} of the clients"
         console.print(f"strategy {sim.app.strategy}{attack if sim.app.attack else ''}", highlight=False)
     completed: list[RoundMetrics] = []
-    stopped_by = interrupt_on_sigterm()  # `kill` ends the run as Ctrl-C does: what it did is kept and shown
+    # `kill` ends the run as Ctrl-C does: what it did is kept and shown
+    interrupts = interrupt_on_sigterm(record_sigint=True)
     try:
         with RoundProgress(sim.app.rounds, console) as progress:
             history = run_simulation(sim, listeners=[progress.update, completed.append])
     except RunFailed as err:
+        if interrupts:  # the run failed because it was interrupted (Ray's actors died with it)
+            _end_interrupted(sim, console, completed, out, interrupts)
         hint = " (-v shows the whole client traceback)" if getattr(err, "client_traceback", False) else ""
         typer.echo(f"error: {err}{hint}", err=True)
         raise typer.Exit(1) from None
@@ -170,25 +179,35 @@ def simulate(
     except ConnectionError as err:  # the mqtt engine's broker
         raise fail(str(err)) from None
     except KeyboardInterrupt:
-        if completed:
-            title = f"fedge simulate ({sim.engine}), interrupted"
-            console.print(summary_table(RunHistory(config={}, rounds=completed), title=title))
-        kept = _kept(out) if completed else ""
-        console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
-        code = 143 if stopped_by else 130
-        if sim.engine == "ray":
-            # Flower's engine threads (not daemons) may still wait on actors Ray has shut down: the
-            # interpreter's exit joined them for good; what the run did is written and shown already
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        raise typer.Exit(code) from None
+        _end_interrupted(sim, console, completed, out, interrupts)
     console.print(summary_table(history, title=f"fedge simulate ({sim.engine})"))
     if (fleet := fleet_table(history)) is not None:
         console.print(fleet)
     names = ("accuracy.png", "accuracy_vs_upload.png", "accuracy_vs_time.png", "timeline.png")
     plots = ", ".join(str(out / name) for name in names if (out / name).exists())
     console.print(f"metrics: {out / 'metrics.json'}\nplots:   {plots}", highlight=False)
+
+
+def _end_interrupted(
+    sim: SimulationConfig, console: Console, completed: list[RoundMetrics], out: Path, signals: list[int]
+) -> NoReturn:
+    """Show what an interrupted run completed and exit 130 (Ctrl-C) or 143 (SIGTERM)."""
+    from fedge.reporting.display import summary_table
+    from fedge.reporting.history import RunHistory
+
+    if completed:
+        title = f"fedge simulate ({sim.engine}), interrupted"
+        console.print(summary_table(RunHistory(config={}, rounds=completed), title=title))
+    kept = _kept(out) if completed else ""
+    console.print(f"interrupted after {len(completed)} of {sim.app.rounds} rounds{kept}")
+    code = 143 if signal.SIGTERM in signals else 130
+    if sim.engine == "ray":
+        # Flower's engine threads (not daemons) may still wait on actors Ray has shut down: the
+        # interpreter's exit joined them for good; what the run did is written and shown already
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise typer.Exit(code)
 
 
 def _kept(out: Path) -> str:
