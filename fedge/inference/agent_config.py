@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fedge.config import ConfigError, check_types, error_line, from_table, read_toml
+from fedge.inference.manifest import VARIANTS
 from fedge.inference.priority import MAX_NICE
 from fedge.inference.serving import Canary
 from fedge.inference.session import SessionConfig
@@ -107,6 +108,9 @@ class InferenceAgentConfig:
             raise ConfigError(f"replicas must be 1 or 2, got {self.replicas}")
         if "fp32" not in self.variants:
             raise ConfigError("variants must include fp32 (the reference every version is published in)")
+        unknown = [variant for variant in self.variants if variant not in VARIANTS]
+        if unknown:  # it would wait for a variant no coordinator publishes
+            raise ConfigError(f"variants: unknown {unknown[0]!r}; choose among {', '.join(VARIANTS)}")
         for key in (
             "max_model_bytes",
             "max_request_bytes",

@@ -27,6 +27,11 @@ runner = CliRunner()
         ("coordinator", 'state_dir = "s"\n[app]\nalpha = 0\n', "alpha must be > 0"),
         ("coordinator", 'state_dir = "s"\nmodel_delta_codec = "fp12"\n', "model_delta_codec"),
         ("serve", 'node_id = "n1"\nmodel_dir = "m"\nmodel_work_nice = 25\n', "model_work_nice must be in"),
+        (  # it waited for a variant no coordinator publishes (CLI sweep)
+            "serve",
+            'node_id = "n1"\nmodel_dir = "m"\nvariants = ["fp32", "int4"]\n',
+            "variants: unknown 'int4'; choose among fp32, int8-static, int8-dynamic",
+        ),
         ("coordinator", 'state_dir = "s"\nnode_keys_dir = "/nonexistent"\n', "holds no <node>.key files"),
         (
             "coordinator",
