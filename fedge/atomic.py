@@ -54,16 +54,21 @@ def strict_json(payload: Any, *, indent: int | None = None) -> str:
 
 def _numpy_scalar(value: Any) -> Any:
     """The encoder's fallback: a NumPy scalar as Python's number (the encoder then checks it is finite)."""
-    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+    if _is_numpy_scalar(value):
         return value.item()
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _is_numpy_scalar(value: Any) -> bool:
+    """A NumPy scalar (bool_, float32, int64, ...), which ``item()`` makes Python's bool, float or int."""
+    return type(value).__module__ == "numpy" and getattr(value, "shape", None) == ()
 
 
 def _finite(value: Any) -> Any:
     """``value`` with every non-finite float replaced by None (in dicts, lists and tuples) and NumPy's
     numbers made Python's."""
-    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
-        value = value.item()  # a NumPy scalar (bool_, float32, int64, ...) as Python's bool, float or int
+    if _is_numpy_scalar(value):
+        value = value.item()
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):

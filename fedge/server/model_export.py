@@ -232,7 +232,6 @@ class ModelExporter:
         self.failures = self.publish_failures = 0
         self.last_error = ""
         self.skipped: dict[str, str] = {}  # the last export's variants left out, and why
-        self._skip_reasons: dict[str, str] = {}
         self._started = False
         self._told_unsupported = False
 
@@ -395,12 +394,11 @@ class ModelExporter:
 
     def _report_skipped(self, server_round: int, skipped: dict[str, str]) -> None:
         """Say (once per variant and reason, not every round) which variants were left out, and why."""
-        self.skipped = dict(skipped)
         for variant, reason in skipped.items():
-            if self._skip_reasons.get(variant) != reason:
+            if self.skipped.get(variant) != reason:  # said of the previous export already
                 log.warning("round %d: export variant %s left out (the others are exported): %s",
                             server_round, variant, reason)  # fmt: skip
-        self._skip_reasons = dict(skipped)
+        self.skipped = dict(skipped)
 
     def _prune(self, newest: str) -> None:
         """Keep the ``config.keep`` newest versions, always including the one latest.json names."""
