@@ -20,6 +20,7 @@ from fedge.devices import DeviceProfile
 from fedge.flower.compat import message_from_bytes, message_to_bytes, set_task_identity
 from fedge.protocol.fleet import flower_node_id
 from fedge.transport import NodeEndpoint
+from fedge.transport.endpoints import Delivery
 from fedge.transport.frames import PresenceFrame, PresenceStatus, encode_presence
 from fedge.transport.grid import MqttGrid
 from fedge.transport.signing import sign
@@ -34,6 +35,14 @@ def _instruction(grid: MqttGrid, node: str, server_round: int = 1) -> Message:
         }
     )
     return Message(content, flower_node_id(node), "train", ttl=60.0)
+
+
+def _instruct(grid: MqttGrid, node: NodeEndpoint, server_round: int = 1) -> tuple[str, Delivery]:
+    """Push an instruction to ``node`` and take it there: its id, and the delivery the node received."""
+    (instruction_id,) = grid.push_messages([_instruction(grid, node.node_id, server_round)])
+    delivery = node.receive(timeout=10)
+    assert delivery is not None and delivery.message_id == instruction_id
+    return instruction_id, delivery
 
 
 def _reply_to(payload: bytes) -> bytes:
@@ -79,9 +88,7 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
         alice, mallory = _node(mqtt, "alice"), _node(mqtt, "mallory")
         try:
             assert grid.wait_for_nodes(2, timeout=20)
-            (instruction_id,) = grid.push_messages([_instruction(grid, "alice")])
-            delivery = alice.receive(timeout=10)
-            assert delivery is not None and delivery.message_id == instruction_id
+            instruction_id, delivery = _instruct(grid, alice)
             reply = _reply_to(bytes(delivery.payload))
 
             mallory.send(reply, message_id="forged").wait(10)  # alice's reply, from mallory's outbox
@@ -97,9 +104,7 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
             assert got.metadata.src_node_id == flower_node_id("alice")
 
             # A round that gives up on alice after she got its instruction: her reply comes too late.
-            (late_id,) = grid.push_messages([_instruction(grid, "alice", server_round=2)])
-            stale = alice.receive(timeout=10)
-            assert stale is not None and stale.message_id == late_id
+            late_id, stale = _instruct(grid, alice, server_round=2)
             grid.abandon([late_id])
             alice.send(_reply_to(bytes(stale.payload)), message_id="stale").wait(10)
             wait_until(lambda: grid.dropped["late"] == 2, 10)
@@ -122,16 +127,12 @@ def test_a_bad_message_under_a_replys_id_does_not_use_up_the_id_of_the_real_repl
         alice = _node(mqtt, "alice")
         try:
             assert grid.wait_for_nodes(1, timeout=20)
-            (first_id,) = grid.push_messages([_instruction(grid, "alice")])
-            first = alice.receive(timeout=10)
-            assert first is not None
+            first_id, first = _instruct(grid, alice)
             old_reply = _reply_to(bytes(first.payload))
             alice.send(old_reply, message_id=f"reply:{first_id}").wait(10)
             wait_until(lambda: grid.pull_messages([first_id]), 10)
 
-            (second_id,) = grid.push_messages([_instruction(grid, "alice", server_round=2)])
-            second = alice.receive(timeout=10)
-            assert second is not None
+            second_id, second = _instruct(grid, alice, server_round=2)
             bad = b"\x00garbage" if forgery == "garbage" else old_reply
             alice.send(bad, message_id=f"reply:{second_id}").wait(10)
             wait_until(lambda: grid.dropped["undecodable"] == 1, 10)
@@ -157,9 +158,7 @@ def test_a_reply_is_audited_before_the_serverapp_can_pull_it(mqtt):
         alice = _node(mqtt, "alice")
         try:
             assert grid.wait_for_nodes(1, timeout=20)
-            (instruction_id,) = grid.push_messages([_instruction(grid, "alice")])
-            delivery = alice.receive(timeout=10)
-            assert delivery is not None
+            instruction_id, delivery = _instruct(grid, alice)
             alice.send(_reply_to(bytes(delivery.payload)), message_id="r").wait(10)
             wait_until(lambda: grid.pull_messages([instruction_id]), 10)
         finally:
