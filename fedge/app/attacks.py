@@ -13,7 +13,9 @@ clients :func:`attacker_ids` chooses from the node's ``partition-id``. With ``r`
 * ``sign-flip``: ``r − u`` (gradient ascent: it undoes as much progress as an honest client makes);
 * ``scale``: ``r + 10 · u`` (a boosted update, to dominate an average);
 * ``noise``: ``r + ε``, ``ε ~ N(0, σ²)`` per element with ``σ = ‖u‖ / √D``, so ``‖ε‖ ≈ ‖u‖``: a random
-  direction as long as an honest update.
+  direction as long as an honest update;
+* ``free-ride``: ``r``, the model sent back untrained with the client's examples claimed (a free-rider
+  that wants the model without spending its own compute; an update of zero under compression).
 
 Two attacks collude. Every attacker trains the received model honestly on each attacker's partition (it
 can: a simulation's task serves any partition), so all of them know the ``m`` honest updates ``u_1 … u_m``
@@ -67,7 +69,7 @@ __all__ = [
     "round_attackers",
 ]
 
-ATTACKS = ("sign-flip", "scale", "noise", "alie", "ipm", "label-flip", "backdoor")
+ATTACKS = ("sign-flip", "scale", "noise", "free-ride", "alie", "ipm", "label-flip", "backdoor")
 COLLUDING = ("alie", "ipm")
 """Attacks whose reply is computed from every attacker's honest update."""
 DATA_ATTACKS = ("label-flip", "backdoor")
@@ -160,6 +162,8 @@ def poison(
         return {name: received[name] - update[name] for name in trained}
     if attack == "scale":
         return {name: received[name] + np.float32(SCALE_FACTOR) * update[name] for name in trained}
+    if attack == "free-ride":
+        return {name: received[name].copy() for name in trained}
     size = sum(u.size for u in update.values())
     norm = math.sqrt(sum(float(np.dot(u.reshape(-1), u.reshape(-1))) for u in update.values()))
     sigma = norm / math.sqrt(size) if size else 0.0

@@ -80,8 +80,8 @@ def simulate(
     ),
     attack: str | None = typer.Option(
         None,
-        help="Simulated poisoning: sign-flip, scale (x10), noise, alie, ipm (colluding), label-flip, "
-        "backdoor.",
+        help="Simulated poisoning: sign-flip, scale (x10), noise, free-ride, alie, ipm (colluding), "
+        "label-flip, backdoor.",
     ),
     attackers: float | None = typer.Option(
         None, help="Fraction of the clients that attack (needs --attack) [default: 0.2]."

@@ -80,7 +80,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DISCARDED_REASONS = frozenset(
-    {"norm_outlier", "weight_outlier", "non_finite", "wrong_tensors", "bad_weight", "wrong_codec"}
+    {
+        "norm_outlier",
+        "weight_outlier",
+        "non_finite",
+        "wrong_tensors",
+        "bad_weight",
+        "wrong_codec",
+        "unchanged",
+    }
 )
 """Rejections of the update itself: the client is told to drop it rather than fold it back. ``stale``,
 ``no_update`` and ``undecodable`` replies (bytes damaged on the way) are merely lost, and fold back."""

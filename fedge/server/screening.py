@@ -11,6 +11,8 @@ A reply is rejected, never fatal, when it
   values, would not have outgrown fp32 (``wrong_codec``: a payload names its own codec, and a dense one
   under top-k would be "sent" every coordinate);
 * holds NaN or infinity, or an update whose norm overflows (``non_finite``);
+* is an update of zero: the model came back as it was sent (``unchanged``: a free-rider claiming its
+  examples for no work; a median or trimmed mean of updates among which many are zero barely moves);
 * has an update norm far above the round's typical one (``norm_outlier``: more than
   ``max_norm_ratio`` times the median norm of the round's otherwise valid replies);
 * claims far more examples than the round's typical reply (``weight_outlier``: more than
@@ -75,6 +77,7 @@ REJECTION_REASONS = (
     "norm_outlier",
     "weight_outlier",
     "wrong_codec",
+    "unchanged",
 )
 
 REJECTION_MEANINGS = {
@@ -88,6 +91,7 @@ REJECTION_MEANINGS = {
     "norm_outlier": "an update far larger than the round's typical one (max_norm_ratio)",
     "weight_outlier": "far more examples claimed than the round's typical reply (max_weight_ratio)",
     "wrong_codec": "another codec than the instruction named",
+    "unchanged": "an update of zero: the model came back untrained",
 }
 """What each of :data:`REJECTION_REASONS` means, in the words a failed run's message uses."""
 
@@ -222,7 +226,7 @@ def screen_reply(
             sorted(decoded.keys() - shapes.keys())[:3],
         )
         raise Rejected("wrong_tensors", f"missing {missing}, unexpected {extra}")
-    squares = 0.0
+    squares, measured = 0.0, False
     for name, array in decoded.items():
         if array.shape != shapes[name]:
             raise Rejected(
@@ -232,10 +236,21 @@ def screen_reply(
             continue
         flat = array.reshape(-1)
         squares += _dot(flat, flat)  # float32: an overflow shows up as inf below
+        measured |= flat.size > 0
     norm = math.sqrt(squares)
     if not math.isfinite(norm):
         raise Rejected("non_finite", "the update's norm overflows")
+    _check_changed(norm, measured)
     return ScreenedReply(node_id, payload, weight, norm, content)
+
+
+def _check_changed(norm: float, measured: bool) -> None:
+    """Reject an update of zero (``unchanged``). Training that takes a step moves some weight; a reply
+    without one claims its examples for no work, and a rule that takes a median or a trimmed mean of
+    the updates is dragged towards zero by it: 30 % of a fleet sending the model back untrained took
+    Flower's FedMedian on digits from 89 % to 22 %."""
+    if measured and norm == 0.0:
+        raise Rejected("unchanged", "the update is zero: the model came back as it was sent")
 
 
 def _may_fall_back(decoded: Mapping[str, np.ndarray], schema: Schema) -> bool:
@@ -277,8 +292,9 @@ def screen_dense_reply(
     """Check one uncompressed reply against the round's global ``model``; raise :class:`Rejected` naming
     what is wrong: not exactly one ArrayRecord (``no_update``), no usable weight, unreadable arrays,
     other tensor names or shapes than the model's or values that are not real numbers (``wrong_tensors``),
-    NaN or infinity (``non_finite``). ``measure_norm``: also measure the update's norm (a pass over the
-    model, see :func:`_squared_step`; without it :attr:`DenseReply.norm` is 0). ``check_finite=False``
+    NaN or infinity (``non_finite``), the model sent back as it was (``unchanged``). ``measure_norm``: also
+    measure the update's norm (a pass over the model, see :func:`_squared_step`; without it
+    :attr:`DenseReply.norm` is 0 and ``unchanged`` is not tested). ``check_finite=False``
     leaves the values unchecked (a caller that checks the aggregate instead, and each reply only when that
     is not finite). The norm leaves out ``statistics``, as :func:`screen_reply`'s does."""
     records = [(key, record) for key, record in content.items() if isinstance(record, ArrayRecord)]
@@ -289,7 +305,7 @@ def screen_dense_reply(
     if record.keys() != model.keys():
         missing, extra = sorted(model.keys() - record.keys())[:3], sorted(record.keys() - model.keys())[:3]
         raise Rejected("wrong_tensors", f"missing {missing}, unexpected {extra}")
-    squares = 0.0
+    squares, measured = 0.0, False
     for name, array in record.items():
         try:
             values = array_to_numpy(array)
@@ -310,9 +326,11 @@ def screen_dense_reply(
             raise Rejected("non_finite", f"tensor {name!r} holds NaN or infinity")
         if measure_norm and values.dtype.kind == "f" and name not in statistics:
             squares += _squared_step(values, reference)
+            measured |= values.size > 0
     norm = math.sqrt(squares)
     if not math.isfinite(norm):
         raise Rejected("non_finite", "the update's norm overflows")
+    _check_changed(norm, measured)
     return DenseReply(key, weight, norm)
 
 

@@ -69,7 +69,7 @@ def test_bad_replies_are_rejected_by_reason_and_the_honest_ones_aggregated():
         _reply(7, {**MODEL, "extra": np.ones(2)}, {"num-examples": 10.0}),
         _reply(8, None, {"num-examples": 10.0}),
         _reply(9, MODEL, {"num-examples": float("nan")}),
-        _reply(10, MODEL, {"num-examples": 1e15}),
+        _honest(10, 1.0, examples=1e15),
         _reply(11, {"w": np.full((2, 3), 100.0, np.float32), "count": np.array(5)}, {"num-examples": 10.0}),
     ]
     arrays, metrics = strategy.aggregate_train(1, replies)

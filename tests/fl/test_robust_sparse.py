@@ -200,6 +200,7 @@ def test_attacks_follow_their_formulas_and_attackers_are_a_seeded_fraction():
     update = trained["w"] - received["w"]
     np.testing.assert_allclose(poison("sign-flip", received, trained)["w"], received["w"] - update)
     np.testing.assert_allclose(poison("scale", received, trained)["w"], received["w"] + SCALE_FACTOR * update)
+    np.testing.assert_array_equal(poison("free-ride", received, trained)["w"], received["w"])
     big = {"w": np.zeros(10_000, np.float32)}
     moved = {"w": np.full(10_000, 0.01, np.float32)}
     noise = poison("noise", big, moved, seed=3)["w"]
