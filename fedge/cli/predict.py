@@ -6,6 +6,7 @@ Registered in :mod:`fedge.cli` as ``app.command("predict")(predict)``. Heavy mod
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,8 @@ def predict(
     if out is not None:  # before any work: a place it cannot write fails in one line, not after the rows
         with config_errors():
             check_out_dir(out.parent, what=f"--out {out}: {out.parent}")
+    # The server logs a refused model for a service's operator; here the one line below says it.
+    logging.getLogger("fedge.inference.serving").setLevel(logging.ERROR)
     server = ModelServer(SessionConfig(intra_op_threads=threads, memory_arena=not no_arena))
     loaded = server.load(model)
     if not loaded.ok:

@@ -345,3 +345,23 @@ def test_rows_with_nan_outputs_are_warned_about(variants, digits_test, tmp_path)
         app, ["predict", "--model", str(variants["fp32"][0]), "--input", str(tmp_path / "nan.npy")]
     )
     assert result.exit_code == 0 and "warning: 1 of 4 rows have NaN or infinite outputs" in result.output
+
+
+def test_a_model_that_does_not_load_is_one_line(tmp_path):
+    """The server's refusal was logged as well as the command's error: the same failure said twice."""
+    import subprocess
+    import sys
+
+    model, inputs = tmp_path / "bad.onnx", tmp_path / "x.npy"
+    model.write_bytes(b"not a model")
+    np.save(inputs, np.zeros((1, 64), np.float32))
+    result = subprocess.run(
+        [sys.executable, "-m", "fedge", "predict", "--model", str(model), "--input", str(inputs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot serve {model}: load:"), lines
+    assert "INVALID_PROTOBUF" in result.stderr
