@@ -163,7 +163,10 @@ class DeviceAgent:
         self._endpoint = NodeEndpoint(config.mqtt, config.node_id, on_message=self._on_delivery)
         self._endpoint.channel.add_timer(lambda _now: self.forget_sent())
         self._endpoint.channel.connection.on_flapping = self._flapping
-        self.conflict = ""  # set when another live process holds this node id: run_forever stops
+        self._endpoint.channel.connection.on_publish_refused = self._publish_refused
+        # set when the agent cannot serve its node (another live process holds its node id, or the broker's
+        # ACL refuses what it publishes): run_forever stops
+        self.conflict = ""
         self.handled = 0
         self.refused: Counter[str] = Counter()
         self._refusal_log = RejectionLog()
@@ -178,7 +181,12 @@ class DeviceAgent:
         )
         for path in sorted(self._inbox_dir.glob("*.msg")):
             log.info("resuming instruction %s left by a previous run", path.stem)
-            self._process(path.stem, path.read_bytes())
+            try:
+                self._process(path.stem, path.read_bytes())
+            except Exception:  # it would fail again at every start: a service that never comes up
+                aside = path.with_suffix(".failed")
+                log.exception("instruction %s failed again; set aside as %s", path.stem, aside.name)
+                path.replace(aside)
 
     def run_forever(self, stop: threading.Event | None = None) -> None:
         """Start, then serve until ``stop`` is set (or forever)."""
@@ -207,6 +215,18 @@ class DeviceAgent:
                 f"another live process uses node id {self.config.node_id!r} (it keeps announcing this node"
                 " online while the broker keeps closing this agent's connection): this agent stops; give each"
                 " agent its own node_id"
+            )
+            log.error("%s", self.conflict)
+
+    def _publish_refused(self, reason: str) -> None:
+        """The broker refused one of this agent's publishes. "Not authorized" is its ACL: the presence,
+        replies and acknowledgements of this node reach no one, however long the agent runs (as a service,
+        "active" and silent), so it stops and says which user and node the broker would not match."""
+        if reason == "Not authorized" and not self.conflict:
+            self.conflict = (
+                f"the broker refuses this agent's publishes (Not authorized): its ACL does not let user "
+                f"{self.config.mqtt.username!r} publish as node {self.config.node_id!r} (fedge's deploy ACL "
+                "expects each node's username to be its node_id, the default)"
             )
             log.error("%s", self.conflict)
 

@@ -23,7 +23,6 @@ from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
-from google.protobuf.message import DecodeError
 
 __all__ = [
     "SUPERLINK_NODE_ID",
@@ -163,8 +162,9 @@ def _parse(proto_type: type, from_proto: Callable[[Any], Any], data: bytes, max_
     try:
         proto.ParseFromString(data)
         return from_proto(proto)
-    except (DecodeError, ValueError, TypeError, KeyError) as err:
-        raise MessageDecodeError(f"not a Flower {what}: {err}") from err
+    except Exception as err:  # untrusted bytes: whatever parsing or Flower's rebuilding raises is the
+        # message's fault (a metric entry without a value had raised AttributeError past this)
+        raise MessageDecodeError(f"not a Flower {what}: {type(err).__name__}: {err}") from err
 
 
 # Protobuf's encoding of Flower's records (flwr/proto/recorddict.proto): every field number below 16, so each

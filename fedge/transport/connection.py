@@ -15,6 +15,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,6 +107,10 @@ class MqttConnection:
         self.connects = 0
         self.on_flapping: Callable[[], None] | None = None
         """Called at each close of a streak the guard reports (another live client likely uses this id)."""
+        self.refused_publishes: Counter[str] = Counter()
+        """Publishes the broker acknowledged with a failure (MQTT 5), by reason ("Not authorized": an ACL)."""
+        self.on_publish_refused: Callable[[str], None] | None = None
+        """Called from paho's thread with the reason of each refused publish."""
         self._flaps = FlapGuard(config.reconnect_min_s, config.reconnect_max_s)
         self._client = self._make_client(self.protocol, client_id)
 
@@ -274,6 +279,7 @@ class MqttConnection:
         client.on_connect = self._handle_connect
         client.on_disconnect = self._handle_disconnect
         client.on_subscribe = client.on_unsubscribe = self._handle_ack
+        client.on_publish = self._handle_publish_ack
         for match, callback in list(self._routes.values()):
             client.message_callback_add(match, callback)
         return client
@@ -344,6 +350,27 @@ class MqttConnection:
         )
         if self._on_connected is not None:
             self._on_connected(session_present, first)
+
+    def _handle_publish_ack(self, _c: paho.Client, _u: object, _mid: int, reason: object, _p: object) -> None:
+        """A broker that will not deliver a QoS 1 publish says so in its PUBACK (MQTT 5; 3.1.1 drops it
+        silently): an ACL that does not cover the topic answers "Not authorized", and the client would
+        otherwise run on as if heard. Logged at the 1st, 10th, 100th, ... refusal of each reason."""
+        if not getattr(reason, "is_failure", False):
+            return
+        text = str(reason)
+        self.refused_publishes[text] += 1
+        count = self.refused_publishes[text]
+        if str(count).rstrip("0") == "1":
+            logger.warning(
+                "broker %s refused %d publish(es) of client %s (user %s): %s",
+                self.config.broker_url,
+                count,
+                self.client_id,
+                self.config.username or "anonymous",
+                text,
+            )
+        if self.on_publish_refused is not None:
+            self.on_publish_refused(text)
 
     def _handle_disconnect(self, _c: paho.Client, _u: object, _f: object, reason: object, _p: object) -> None:
         was_connected = self._connected.is_set()

@@ -56,3 +56,35 @@ def test_coordinator_and_node_exchange_chunked_messages_over_tls(broker, secrets
         answer = coordinator.receive(timeout=30)
         assert answer is not None and (answer.node_id, bytes(answer.payload)) == (NODE_A, reply)
         assert node_b.receive(timeout=0.2) is None
+
+
+def test_an_agent_the_acl_does_not_cover_stops_with_one_line(broker, secrets, tmp_path):
+    """node_id B with user A's credentials: every publish is refused with PUBACK "Not authorized". The agent
+    ran on, connected and silent (as a service: "active"), and the coordinator never saw the node."""
+    import threading
+
+    from fedge.client.agent import AgentConfig, DeviceAgent
+    from fedge.config import ConfigError
+
+    config = AgentConfig(
+        node_id=NODE_B,
+        mqtt=_config(broker, secrets, NODE_A),
+        state_dir=str(tmp_path),
+        node_config={"partition-id": 0, "num-partitions": 1},
+    )
+    agent, stop, raised = DeviceAgent(config), threading.Event(), []
+
+    def run() -> None:
+        try:
+            agent.run_forever(stop)
+        except ConfigError as err:
+            raised.append(str(err))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    stop.set()  # only if it is still running: the test fails below
+    thread.join(30)
+    assert len(raised) == 1, "the agent ran on although the broker refused its publishes"
+    assert "Not authorized" in raised[0] and f"user {NODE_A!r} publish as node {NODE_B!r}" in raised[0]
+    assert agent._endpoint.channel.connection.refused_publishes["Not authorized"] >= 1

@@ -86,6 +86,21 @@ def test_garbage_is_a_decode_error(garbage):
         message_from_bytes(garbage)
 
 
+def test_a_well_formed_protobuf_flower_cannot_rebuild_is_a_decode_error():
+    """A metric entry whose value is unset parses, then Flower's rebuilding raised AttributeError: past the
+    decode error, the MQTT Grid kept the message id and dropped the node's real reply as a duplicate."""
+    from flwr.proto.message_pb2 import Message as MessageProto
+
+    reply = Message(RecordDict({"metrics": MetricRecord({"num-examples": 3})}), reply_to=_instruction())
+    proto = MessageProto()
+    proto.ParseFromString(message_to_bytes(reply))
+    for item in proto.content.items:
+        for entry in item.metric_record.items:
+            entry.ClearField("value")
+    with pytest.raises(MessageDecodeError, match="not a Flower message"):
+        message_from_bytes(proto.SerializeToString())
+
+
 def test_size_cap_is_checked_before_parsing():
     with pytest.raises(MessageDecodeError, match="exceeds the cap"):
         message_from_bytes(message_to_bytes(_instruction()), max_bytes=10)

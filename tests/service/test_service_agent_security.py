@@ -325,3 +325,23 @@ def test_bad_agent_security_settings_are_config_errors(tmp_path, toml, needle):
     path.write_text(f'node_id = "n1"\nstate_dir = "s"\n{toml}')
     with pytest.raises(ConfigError, match=needle):
         AgentConfig.from_toml(path)
+
+
+def test_an_instruction_that_fails_again_after_a_restart_is_set_aside(mqtt, tmp_path, monkeypatch, caplog):
+    """An instruction left in the inbox is resumed at start; one whose handling raises (a decoder bug that
+    a crafted message reached) had stopped the agent at every start: a device in a crash loop."""
+    (tmp_path / "inbox").mkdir()
+    (tmp_path / "inbox" / "poison.msg").write_bytes(b"crafted")
+
+    def broken(*_args, **_kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'endswith'")
+
+    monkeypatch.setattr(agent_module, "message_from_bytes", broken)
+    agent = DeviceAgent(AgentConfig(node_id="una", mqtt=mqtt(), state_dir=str(tmp_path)))
+    try:
+        agent.start()
+    finally:
+        agent.close()
+    assert not (tmp_path / "inbox" / "poison.msg").exists()
+    assert (tmp_path / "inbox" / "poison.failed").read_bytes() == b"crafted"
+    assert "instruction poison failed again; set aside as poison.failed" in caplog.text
