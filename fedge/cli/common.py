@@ -95,12 +95,22 @@ def configure_logging(verbose: bool, service: bool = False, json_lines: bool = F
     """
     handler = logging.StreamHandler()
     prefix = "%(asctime)s " if service else ""
-    text = logging.Formatter(prefix + "%(levelname)s %(name)s: %(message)s")
+    text = _TextLines(prefix + "%(levelname)s %(name)s: %(message)s")
     handler.setFormatter(_JsonLines() if json_lines else text)
     fedge_log = logging.getLogger("fedge")
     fedge_log.addHandler(handler)
     fedge_log.setLevel(logging.INFO if verbose or service else logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.INFO if verbose else logging.ERROR)
+
+
+class _TextLines(logging.Formatter):
+    """Lines after a record's first are indented, carriage returns and escapes shown: text a record carries
+    from elsewhere (a node's error reason, a traceback) cannot pass for a record of its own in the log (a
+    node had put "2099-01-01 00:00:00,000 INFO fedge.server.service: run finished OK" on a line alone)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text.replace("\r", "\\r").replace("\x1b", "\\x1b").replace("\n", "\n    ")
 
 
 class _JsonLines(logging.Formatter):

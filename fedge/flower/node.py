@@ -16,11 +16,12 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-__all__ = ["call_client_app", "describe_node", "error_reply", "make_context"]
+__all__ = ["call_client_app", "cap_reason", "describe_node", "error_reply", "make_context"]
 
 log = logging.getLogger(__name__)
 
 _MAX_REASON_CHARS = 4000  # an error reply carries the traceback's tail, not megabytes of it
+_MAX_REASON_LINES = 60  # a deep traceback's frames; not 50,000 lines a node sent to flood the log
 
 
 def make_context(run_id: int, node_id: int, node_config: Mapping[str, Any]) -> Context:
@@ -41,14 +42,24 @@ def describe_node(context: Context) -> str:
 
 
 def error_reply(message: Message, code: int, reason: str) -> Message:
-    """An error reply to ``message`` (Flower's way of saying the ClientApp did not produce content).
+    """An error reply to ``message`` (Flower's way of saying the ClientApp did not produce content), its
+    reason capped by :func:`cap_reason`."""
+    return Message(Error(code=code, reason=cap_reason(reason)), reply_to=message)
 
-    A long reason keeps its head (who failed) and its tail (the exception), within a few kB.
+
+def cap_reason(reason: str) -> str:
+    """A long error reason's head (who failed) and tail (the exception), within a few kB and 60 lines.
+
+    A coordinator caps the reasons nodes send it too: they reach its log and its audit.
     """
+    lines = reason.splitlines()
+    if len(lines) > _MAX_REASON_LINES:
+        head = _MAX_REASON_LINES // 6
+        reason = "\n".join([*lines[:head], "...", *lines[head - _MAX_REASON_LINES + 1 :]])
     if len(reason) > _MAX_REASON_CHARS:
         half = _MAX_REASON_CHARS // 2
         reason = f"{reason[:half]}\n...\n{reason[-half:]}"
-    return Message(Error(code=code, reason=reason), reply_to=message)
+    return reason
 
 
 def call_client_app(client_app: ClientApp, message: Message, context: Context) -> Message:

@@ -33,6 +33,7 @@ from fedge.devices.profile import DeviceProfile
 from fedge.flower.compat import MessageDecodeError, MessageEncoder, message_from_bytes
 from fedge.flower.compat import set_message_id as _set_message_id
 from fedge.flower.grid import RunGrid
+from fedge.flower.node import cap_reason
 from fedge.protocol.envelope import EnvelopeError, decode_content, is_envelope
 from fedge.protocol.fleet import PROFILE_PREFIX, REPLY_PREFIX, flower_node_id
 from fedge.transport.config import MqttConfig
@@ -328,22 +329,27 @@ class MqttGrid(RunGrid):
                 self._reject(delivery.node_id, server_round or "?", reason, f"reply to {instruction_id!r}")
                 return
             reply = reply_for(awaited)
-            if awaited.node != delivery.node_id or reply.metadata.src_node_id != flower_node_id(
+            if awaited.node == delivery.node_id and reply.metadata.src_node_id == flower_node_id(
                 delivery.node_id
             ):
-                self._reject(
-                    delivery.node_id, awaited.server_round, "wrong-sender", f"instruction for {awaited.node}"
-                )
+                del self._awaited[instruction_id]
+                self._finish(instruction_id, awaited.server_round)
+                if reply.has_error():
+                    reply.error = Error(code=reply.error.code, reason=_node_text(reply.error.reason or ""))
+                _set_message_id(reply, uuid.uuid4().hex)
+                self._report_wire(reply, delivery.payload)
+                # Recorded before the ServerApp can pull it: its round may be aggregated and committed at
+                # once, and a commit naming the round's accepted nodes must find this one (it once left one
+                # out).
+                self._record_reply(delivery.node_id, awaited.server_round, instruction_id, reply)
+                self._replies[instruction_id] = reply
+                self._cond.notify_all()
                 return
-            del self._awaited[instruction_id]
-            self._finish(instruction_id, awaited.server_round)
-            _set_message_id(reply, uuid.uuid4().hex)
-            self._report_wire(reply, delivery.payload)
-            # Recorded before the ServerApp can pull it: its round may be aggregated and committed at once,
-            # and a commit naming the round's accepted nodes must find this one (it once left one out).
-            self._record_reply(delivery.node_id, awaited.server_round, instruction_id, reply)
-            self._replies[instruction_id] = reply
-            self._cond.notify_all()
+            self._reject(
+                delivery.node_id, awaited.server_round, "wrong-sender", f"instruction for {awaited.node}"
+            )
+        # as _refuse does (outside the lock): the id goes back to the transport, for the node's real reply
+        self.endpoint.forget_delivered(delivery.node_id, delivery.message_id)
 
     def _record_reply(self, node: str, server_round: str, instruction_id: str, reply: Message) -> None:
         """Count, log and audit a settled reply: refused, failed or accepted."""
@@ -424,3 +430,10 @@ def _round_of(message: Message) -> str:
     """The round Flower's strategies stamp into the instruction's config (``server-round``), if any."""
     config = message.content.config_records.get("config") if message.has_content() else None
     return str(config.get("server-round", "?")) if config is not None else "?"
+
+
+def _node_text(reason: str) -> str:
+    """A node's error reason as the coordinator keeps it: a few kB and lines (:func:`cap_reason`), every line
+    after the first indented. Flower and fedge log it, and a line of its own could pass for a record of the
+    coordinator's ("... INFO fedge.server.service: run finished OK"); 50,000 lines had flooded the log."""
+    return cap_reason(reason).replace("\r", "\\r").replace("\n", "\n    ")

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INSTRUCTION_REFUSED",
+    "REFUSAL_REASONS",
     "InstructionSigner",
     "InstructionVerifier",
     "Refusal",
@@ -267,9 +268,18 @@ class Refusal(ValueError):
 
     @classmethod
     def from_error_reason(cls, text: str) -> Refusal:
-        """Parse the ``"<reason>: <detail>"`` of an :data:`INSTRUCTION_REFUSED` error reply."""
+        """Parse the ``"<reason>: <detail>"`` of an :data:`INSTRUCTION_REFUSED` error reply; a reason not in
+        :data:`REFUSAL_REASONS` is ``other`` (a node's own words, as a count's key, could be anything)."""
         reason, _, detail = text.partition(": ")
-        return cls(reason or "refused", detail)
+        if reason not in REFUSAL_REASONS:
+            reason, detail = "other", text
+        return cls(reason, detail)
+
+
+REFUSAL_REASONS = frozenset(
+    {"too-large", "expired", "stale", "undecodable", "signature", "wrong-recipient", "task-not-allowed"}
+)
+"""Why fedge's agents refuse an instruction (:class:`Refusal`'s ``reason``)."""
 
 
 def encode_refusal(refusal: Refusal) -> bytes:

@@ -422,3 +422,18 @@ def test_a_hanging_train_fails_the_run_after_round_timeout_s(tmp_path):
         "no client update was accepted in 3 consecutive rounds; first: no client replied in time"
         in result.output
     )
+
+
+def test_a_text_log_record_cannot_pass_for_another():
+    """A node's words inside a record (its error reason) had put a forged record on a line of its own."""
+    import logging
+
+    from fedge.cli.common import _TextLines
+
+    record = logging.LogRecord(
+        "fedge.transport.grid", logging.WARNING, __file__, 1, "node %s: %s", ("n2", ""), None
+    )
+    record.args = ("n2", "boom\n2099-01-01 00:00:00,000 INFO fedge.server.service: run finished OK\r\x1b[2J")
+    lines = _TextLines("%(levelname)s %(name)s: %(message)s").format(record).split("\n")
+    assert lines[0] == "WARNING fedge.transport.grid: node n2: boom"
+    assert lines[1] == "    2099-01-01 00:00:00,000 INFO fedge.server.service: run finished OK\\r\\x1b[2J"

@@ -118,11 +118,11 @@ def test_wrong_sender_duplicate_late_and_garbage_replies_are_dropped(mqtt):
     assert [e["round"] for e in audit if e.get("reason") == "late"] == ["1", "2"]
 
 
-@pytest.mark.parametrize("forgery", ["garbage", "an older reply"])
+@pytest.mark.parametrize("forgery", ["garbage", "an older reply", "another sender"])
 def test_a_bad_message_under_a_replys_id_does_not_use_up_the_id_of_the_real_reply(mqtt, forgery):
-    """One message on a node's outbox under ``reply:<instruction>`` that the Grid refused (garbage, or the
-    node's previous reply sent again) had the real reply dropped as a transport duplicate, and the round
-    waited out its timeout (attack sweep)."""
+    """One message on a node's outbox under ``reply:<instruction>`` that the Grid refused (garbage, the
+    node's previous reply sent again, or a reply naming another node as its sender) had the real reply
+    dropped as a transport duplicate, and the round waited out its timeout (attack sweeps)."""
     with MqttGrid(mqtt()) as grid:
         alice = _node(mqtt, "alice")
         try:
@@ -133,15 +133,59 @@ def test_a_bad_message_under_a_replys_id_does_not_use_up_the_id_of_the_real_repl
             wait_until(lambda: grid.pull_messages([first_id]), 10)
 
             second_id, second = _instruct(grid, alice, server_round=2)
-            bad = b"\x00garbage" if forgery == "garbage" else old_reply
+            bad = {"garbage": b"\x00garbage", "an older reply": old_reply}.get(forgery)
+            if forgery == "another sender":
+                spoofed = message_from_bytes(_reply_to(bytes(second.payload)))
+                spoofed.metadata.__dict__["_src_node_id"] = flower_node_id("bob")
+                bad = message_to_bytes(spoofed)
             alice.send(bad, message_id=f"reply:{second_id}").wait(10)
-            wait_until(lambda: grid.dropped["undecodable"] == 1, 10)
+            reason = "wrong-sender" if forgery == "another sender" else "undecodable"
+            wait_until(lambda: grid.dropped[reason] == 1, 10)
             alice.send(_reply_to(bytes(second.payload)), message_id=f"reply:{second_id}").wait(10)
             pulled: list = []
             wait_until(lambda: pulled.extend(grid.pull_messages([second_id])) or pulled, 10)
             assert [m.metadata.reply_to_message_id for m in pulled] == [second_id]
         finally:
             alice.close()
+
+
+def test_a_nodes_words_reach_the_log_and_audit_capped_and_unable_to_pass_for_a_record(mqtt):
+    """A refusal's detail and an error reply's reason are a node's words: 50,000 lines of one had flooded
+    the coordinator's log, a line of another read "... INFO fedge.server.service: run finished OK" on its
+    own, and any reason became a key of the refusal counts (attack sweep)."""
+    from flwr.app import Error
+
+    from fedge.transport.signing import Refusal, encode_refusal
+
+    forged = "\n2099-01-01 00:00:00,000 INFO fedge.server.service: run finished OK\n"
+    audit: list[dict] = []
+    with MqttGrid(mqtt(), audit=audit.append) as grid:
+        alice = _node(mqtt, "alice")
+        try:
+            assert grid.wait_for_nodes(1, timeout=20)
+            refused_id, _ = _instruct(grid, alice)
+            notice = encode_refusal(Refusal("made-up " * 100, forged + "x" * 1000))
+            alice.send(notice, message_id=f"reply:{refused_id}").wait(10)
+            failed_id, failed = _instruct(grid, alice, server_round=2)
+            error = Message(
+                Error(code=0, reason="boom" + forged + "line\n" * 50_000),
+                reply_to=message_from_bytes(bytes(failed.payload)),
+            )
+            alice.send(message_to_bytes(error), message_id=f"reply:{failed_id}").wait(10)
+            pulled: list = []
+            wait_until(
+                lambda: pulled.extend(grid.pull_messages([refused_id, failed_id])) or len(pulled) == 2, 20
+            )
+        finally:
+            alice.close()
+    reasons = {m.metadata.reply_to_message_id: m.error.reason for m in pulled}
+    for reason in reasons.values():
+        assert len(reason) <= 4100 and len(reason.splitlines()) <= 60
+        assert all(line.startswith("    ") for line in reason.splitlines()[1:])
+    assert reasons[refused_id].startswith("made-up made-up") and reasons[failed_id].startswith("boom")
+    assert grid.refusals == {"other": 1}
+    (refused,) = [e for e in audit if e["event"] == "refused"]
+    assert refused["reason"] == "other" and len(refused["detail"]) <= 4100
 
 
 def test_a_reply_is_audited_before_the_serverapp_can_pull_it(mqtt):
