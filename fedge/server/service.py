@@ -224,6 +224,10 @@ def _run_service(
         log.warning("--resume: no checkpoint in %s, so the run starts at round 1", state_dir)
     set_task_identity(run_id=config.run_id)
     strategy = run.strategy
+    # The run's drops before this process, read before its Grid can audit any of its own: read after the
+    # wait for nodes, a drop audited meanwhile counted twice, and the first round reported the run's total.
+    audit_file = state_dir / AUDIT_FILE
+    earlier_drops = dropped_counts(audit_file) if resume_point is not None and audit_file.is_file() else None
     with (
         AuditLog(state_dir / AUDIT_FILE) as audit,
         MqttGrid(
@@ -234,6 +238,7 @@ def _run_service(
         ) as grid,
         StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point, devices) as status,
     ):
+        grid.dropped.update(earlier_drops or {})
         limit = _reply_limit(run.initial_arrays)
         grid.endpoint.set_message_limit(lambda node: limit)  # no reply needs more than a dense model
         run = dataclasses.replace(run, round_extras=_DropsPerRound(grid))
@@ -255,7 +260,6 @@ def _run_service(
                 _counted_record(resume_point.strategy_state),
                 rolled_back=_rolled_back(resume_point.history),
             )
-            grid.dropped.update(dropped_counts(state_dir / AUDIT_FILE))  # the run's, not this process's
 
         def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
             strategy_state = strategy.state_dict() if hasattr(strategy, "state_dict") else {}

@@ -149,6 +149,31 @@ def test_a_resumed_coordinator_counts_the_runs_drops_from_the_log(tmp_path: Path
     assert dropped_counts(path) == {"unknown-instruction": 5, "late": 1}
 
 
+def test_after_a_resume_the_first_round_reports_only_its_own_drops(mqtt, tmp_path: Path) -> None:
+    """The run's earlier drops were added to the Grid's counts after the first round's baseline was taken:
+    that round reported the run's whole total as its own (chaos sweep: 5 drops in round 7, 1 of them real)."""
+    agent = reference_agent(mqtt(), tmp_path / "agent", "ann")
+    agent.start()
+    try:
+        state_dir = tmp_path / "coordinator"
+        service = ServiceConfig(mqtt=mqtt(), state_dir=str(state_dir), wait_for_nodes_s=60.0)
+        run_coordinator(
+            CoordinatorConfig(service=service, app=AppConfig(rounds=1, min_nodes=1, export_every=0))
+        )
+        with AuditLog(state_dir / "audit.jsonl") as log:  # drops of the first process, reported late
+            log.write(
+                {"event": "rejected", "node": "x", "round": "?", "reason": "unknown-instruction", "count": 3}
+            )
+        app = AppConfig(rounds=2, min_nodes=1, export_every=0)
+        history = run_coordinator(CoordinatorConfig(service=service, app=app), resume=True)
+    finally:
+        agent.close()
+    assert [r.round for r in history.rounds] == [1, 2]
+    assert "replies_dropped_unknown-instruction" not in history.rounds[1].extra
+    status = json.loads((state_dir / "status.json").read_text())
+    assert status["dropped_replies"] == {"unknown-instruction": 3}
+
+
 def test_a_rolled_back_round_counts_no_update_in_the_audit(mqtt, tmp_path: Path) -> None:
     """A round whose aggregate's loss blows up is undone; the audit must not say its updates counted."""
     agent = reference_agent(mqtt(), tmp_path / "agent", "huge", client_app="huge_update_app:app")
