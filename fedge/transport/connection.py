@@ -211,6 +211,8 @@ class MqttConnection:
         if not self.connected:
             self._stop_client()
             reason = self._failure or f"no answer within {self.config.connect_timeout_s:g} s"
+            if self._failure is None and not self.config.address.tls:  # a TLS port closes plain connections
+                reason += " (if this port is a TLS listener, use mqtts:// and the fleet's CA)"
             raise ConnectionError(f"cannot connect to {self.config.broker_url}: {reason}")
 
     def publish(

@@ -45,7 +45,10 @@ def detect_protocol(config: MqttConfig, make_client: Callable[[], paho.Client]) 
             break
         except OSError as err:
             if isinstance(err, ssl.SSLError) or time.monotonic() > deadline:
-                raise ConnectionError(f"cannot connect to {config.broker_url}: {err}") from None
+                hint = ""
+                if address.tls and isinstance(err, ConnectionResetError):  # a plain port drops a TLS hello
+                    hint = f" (is port {address.port} a TLS listener? mqtts:// needs one)"
+                raise ConnectionError(f"cannot connect to {config.broker_url}: {err}{hint}") from None
             time.sleep(0.2)
     client.loop_start()
     try:
@@ -56,7 +59,8 @@ def detect_protocol(config: MqttConfig, make_client: Callable[[], paho.Client]) 
     if answer == [0]:
         return "5"
     if (answer and answer[0] in UNSUPPORTED_PROTOCOL) or (not answer and done.is_set()):
-        logger.info("broker %s does not speak MQTT 5; using MQTT 3.1.1", config.broker_url)
+        # a TLS listener closes a plain connection this way too: the 3.1.1 attempt then says so
+        logger.info("broker %s closed an MQTT 5 CONNECT unanswered; trying MQTT 3.1.1", config.broker_url)
         return "3.1.1"
     if not answer:
         reason = f"no answer in {config.connect_timeout_s:g} s"

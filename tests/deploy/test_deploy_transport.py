@@ -88,3 +88,23 @@ def test_an_agent_the_acl_does_not_cover_stops_with_one_line(broker, secrets, tm
     assert len(raised) == 1, "the agent ran on although the broker refused its publishes"
     assert "Not authorized" in raised[0] and f"user {NODE_A!r} publish as node {NODE_B!r}" in raised[0]
     assert agent._endpoint.channel.connection.refused_publishes["Not authorized"] >= 1
+
+
+def test_a_url_whose_scheme_does_not_match_the_listener_says_so(broker, secrets):
+    """mqtt:// to the TLS port was logged as a broker without MQTT 5, then "no answer"; mqtts:// to the plain
+    port said only "Connection reset by peer"."""
+    import dataclasses
+
+    import pytest
+
+    from fedge.transport.connection import MqttConnection
+
+    tls = dataclasses.replace(_config(broker, secrets, NODE_A), connect_timeout_s=2.0)
+    plain_to_tls = dataclasses.replace(tls, broker_url=f"mqtt://127.0.0.1:{broker.tls_port}", ca_file=None)
+    with pytest.raises(ConnectionError, match=r"if this port is a TLS listener, use mqtts://"):
+        MqttConnection(plain_to_tls, "scheme-test").start()
+    tls_to_plain = dataclasses.replace(tls, broker_url=f"mqtts://127.0.0.1:{broker.plain_port}")
+    with pytest.raises(
+        ConnectionError, match=rf"is port {broker.plain_port} a TLS listener\? mqtts:// needs one"
+    ):
+        MqttConnection(tls_to_plain, "scheme-test").start()
