@@ -9,6 +9,7 @@ the end of a run that never trained.
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 from fedge.reporting.history import RoundMetrics, RunHistory
@@ -43,14 +44,23 @@ def trained(metrics: RoundMetrics) -> bool:
     return bool(metrics.extra.get("accepted", metrics.clients_replied))
 
 
+DIVERGENCE_PP = 20.0
+"""Accuracy this many points below the run's best round: the model is falling apart, not noisy."""
+
+
 class FailureWatch:
-    """Counts rounds in which no update was accepted; says why, and stops a run that is not training."""
+    """Counts rounds in which no update was accepted; says why, and stops a run that is not training. Warns
+    once, too, when the model falls :data:`DIVERGENCE_PP` points below its best round: a run that trains,
+    and gets worse (the ``strong`` preset's server step on four clients went 79 % → 18 % without a word)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.in_a_row, self.first_error = limit, 0, ""
         self._reported = ""  # the last client failure warned about: the same one again is logged at INFO
+        self._best: tuple[int, float] | None = None  # the round of the best accuracy so far, and it
+        self._diverged = False
 
     def check(self, metrics: RoundMetrics, first_error: str, failed: int = 0) -> None:
+        self._check_divergence(metrics)
         if trained(metrics):
             self.in_a_row = 0
             if failed:  # the round trained, without some clients: say who failed and why
@@ -90,6 +100,25 @@ class FailureWatch:
             raise RunFailed(
                 f"no client update was accepted in {self.in_a_row} consecutive rounds; first: {cause}",
                 client_traceback="Traceback" in first_error,
+            )
+
+    def _check_divergence(self, metrics: RoundMetrics) -> None:
+        accuracy = metrics.accuracy
+        if not math.isfinite(accuracy):
+            return
+        if self._best is None or accuracy > self._best[1]:
+            self._best = (metrics.round, accuracy)
+        elif not self._diverged and 100 * (self._best[1] - accuracy) >= DIVERGENCE_PP:
+            self._diverged = True
+            log.warning(
+                "round %d: accuracy %.1f %% is %.0f points below round %d's %.1f %%: the model is getting "
+                "worse (a server step too large for this fleet? a lower server_lr, or the light preset; "
+                "attackers? a robust strategy)",
+                metrics.round,
+                100 * accuracy,
+                100 * (self._best[1] - accuracy),
+                self._best[0],
+                100 * self._best[1],
             )
 
     def check_run(self, history: RunHistory) -> None:

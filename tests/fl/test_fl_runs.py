@@ -417,3 +417,20 @@ def test_a_round_without_an_accepted_reply_reports_no_compression_ratio():
     assert "compression_ratio" not in empty and "payload_compression_ratio" not in empty
     full = RoundReport(accepted=1, wire_bytes=10, dense_wire_bytes=100, payload_bytes=5, dense_bytes=40)
     assert (full.to_metrics()["compression_ratio"], full.to_metrics()["payload_compression_ratio"]) == (10, 8)
+
+
+def test_a_run_that_gets_worse_is_warned_about_once(caplog):
+    """The strong preset on four clients went 79 % → 18 % and the run said nothing (chaos sweep)."""
+    from fedge.reporting.history import RoundMetrics
+    from fedge.server.run_failures import FailureWatch
+
+    watch = FailureWatch(limit=3)
+    caplog.set_level(logging.WARNING, logger="fedge.server.runner")
+    for server_round, accuracy in enumerate([0.5, 0.79, 0.6, float("nan"), 0.3, 0.2, 0.1], start=1):
+        metrics = RoundMetrics(server_round, accuracy, 1.0, 4, 4, 1, 1, 0.1, extra={"accepted": 4})
+        watch.check(metrics, "")
+    warnings = [r.getMessage() for r in caplog.records if "getting worse" in r.getMessage()]
+    assert warnings == [
+        "round 5: accuracy 30.0 % is 49 points below round 2's 79.0 %: the model is getting worse (a server "
+        "step too large for this fleet? a lower server_lr, or the light preset; attackers? a robust strategy)"
+    ]
