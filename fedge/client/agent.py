@@ -241,6 +241,10 @@ class DeviceAgent:
         for instruction_id, handle in done:
             if handle.error is not None:
                 log.warning("reply to instruction %s not delivered: %s", instruction_id, handle.error)
+            if getattr(handle.error, "rejected", "") == "TOO_LARGE":
+                # The coordinator will never have this reply: a refusal says so, or its round waits it out.
+                refusal = Refusal("too-large", "this node's reply is over what the coordinator takes")
+                self._send(instruction_id, self._sign(encode_refusal(refusal)))
             (self._inbox_dir / f"{instruction_id}.msg").unlink(missing_ok=True)
 
     # -- instructions ----------------------------------------------------------------------------------

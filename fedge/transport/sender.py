@@ -29,7 +29,15 @@ lying or broken."""
 
 
 class TransferError(RuntimeError):
-    """A transfer that will not be delivered: expired, rejected by the receiver, or the channel closed."""
+    """A transfer that will not be delivered: expired, rejected by the receiver, or the channel closed.
+
+    ``rejected`` is the receiver's reason when it refused the message (``"TOO_LARGE"``, ``"EXPIRED"``), else
+    empty.
+    """
+
+    def __init__(self, message: str, rejected: str = "") -> None:
+        super().__init__(message)
+        self.rejected = rejected
 
 
 @dataclass
@@ -188,7 +196,10 @@ class OutgoingTransfer:
             return []
         if ack.status is AckStatus.REJECTED:
             self._finish(
-                TransferError(f"receiver rejected message {self.handle.message_id!r}: {ack.reason.name}")
+                TransferError(
+                    f"receiver rejected message {self.handle.message_id!r}: {ack.reason.name}",
+                    rejected=ack.reason.name,
+                )
             )
             return []
         if ack.total != self.total:

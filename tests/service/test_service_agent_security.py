@@ -345,3 +345,25 @@ def test_an_instruction_that_fails_again_after_a_restart_is_set_aside(mqtt, tmp_
     assert not (tmp_path / "inbox" / "poison.msg").exists()
     assert (tmp_path / "inbox" / "poison.failed").read_bytes() == b"crafted"
     assert "instruction poison failed again; set aside as poison.failed" in caplog.text
+
+
+def test_a_reply_over_the_coordinators_limit_is_answered_by_a_refusal(mqtt, tmp_path, monkeypatch):
+    """The coordinator's transport refused the reply at once and the agent knew it, but the round waited
+    its whole timeout for a reply that could never come (attack sweep: a 1.6 MB metric)."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context) -> Message:
+        return Message(RecordDict({"metrics": MetricRecord({"big": [0.5] * 20_000})}), reply_to=msg)
+
+    monkeypatch.setattr(agent_module, "load_client_app", lambda path: app)
+    agent = DeviceAgent(AgentConfig(node_id="lea", mqtt=mqtt(), state_dir=str(tmp_path)))
+    agent.start()
+    try:
+        with MqttGrid(mqtt()) as grid:
+            grid.endpoint.set_message_limit(lambda node: 4096)
+            assert grid.wait_for_nodes(1, timeout=20)
+            refused = _refusal(_one_reply(grid, _instruction("lea")))
+    finally:
+        agent.close()
+    assert refused.reason == "too-large" and "reply is over what the coordinator takes" in refused.detail
