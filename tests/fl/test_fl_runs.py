@@ -100,7 +100,7 @@ def _attack(msg: Message, context: Context, call_next) -> Message:
         "wrong_shapes": lambda: codec.encode({k: np.ones(v.size, np.float32) for k, v in model.items()}),
         "garbage": lambda: rng.bytes(3000),
         "stale": lambda: codec.encode({k: np.zeros_like(v) for k, v in model.items()}),
-        "heavy": lambda: codec.encode({k: np.zeros_like(v) for k, v in model.items()}),
+        "heavy": lambda: codec.encode({k: np.full_like(v, 1e-4) for k, v in model.items()}),  # not unchanged
     }[kind]()
     update = ConfigRecord({"payload": payload, "base": version - 1 if kind == "stale" else version})
     content = RecordDict(
