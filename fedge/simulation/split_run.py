@@ -80,8 +80,12 @@ class SplitSimulationRun:
 
     def _check_labels(self) -> None:
         """Split training's cross-entropy needs class labels the model's outputs have: say so in one line."""
-        with torch.no_grad():
-            classes = int(self.model(self.test[0][:1]).shape[-1])
+        training = self.model.training
+        try:  # eval mode: BatchNorm1d refuses one example in training mode, and no statistic may move
+            with torch.no_grad():
+                classes = int(self.model.eval()(self.test[0][:1]).shape[-1])
+        finally:
+            self.model.train(training)
         for client, (_, labels) in [*enumerate(self.data), ("test set", self.test)]:
             if len(labels) and not (int(labels.min()) >= 0 and int(labels.max()) < classes):
                 raise ConfigError(

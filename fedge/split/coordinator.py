@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import secrets
 import threading
 import time
@@ -52,7 +53,7 @@ from fedge.split.engine_config import EngineRound, SplitAppConfig
 from fedge.split.memory import ClientPlan, plan_fleet
 from fedge.split.messages import FULL_TRAIN, HELLO, SPLIT_STEP, Hello, RunSettings
 from fedge.split.model import as_chain, check_chain, ends_in_relu, segment
-from fedge.split.rounds import average_deltas, evaluate, stage_keys
+from fedge.split.rounds import average_deltas, blown_up, evaluate, stage_keys
 from fedge.split.server_state import (
     SplitCheckpoint,
     flatten,
@@ -64,7 +65,7 @@ from fedge.split.server_state import (
     save_split_checkpoint,
 )
 from fedge.split.session import SplitSession
-from fedge.split.step import BackStage
+from fedge.split.step import ActivationScales, BackStage
 from fedge.split.tally import tally_round
 from fedge.split.waves import WaveRunner
 
@@ -145,6 +146,7 @@ class SplitCoordinator:
         self.completed_round = 0
         self.server_state: dict[str, dict[str, torch.Tensor]] = {}  # last round's server-side stages
         self.server_optim: dict[str, dict[str, torch.Tensor]] = {}  # and their optimizers' momentum
+        self.scales = ActivationScales()  # what the server stages step on, by cut
         self._plans: dict[int, ClientPlan] = {}
         self._wake = threading.Event()
         if config.resume:
@@ -202,8 +204,19 @@ class SplitCoordinator:
             sequential=not self.config.split.parallel,
         )
         self.model.load_state_dict(average_deltas(start, tally.contributions))
-        self.server_state, self.server_optim = self._server_stages(sessions, server_model)
         loss, accuracy = evaluate(self.model, self.test)
+        rolled_back = blown_up(loss, self.history[-1].loss if self.history else math.inf)
+        if rolled_back:  # the round's start is kept, and the server stages the last good round left
+            log.warning(
+                "split round %d: the averaged model's loss is %s: it is dropped and the round's start kept "
+                "(a client's activations or update of huge values?)",
+                server_round,
+                loss,
+            )
+            self.model.load_state_dict(start)
+            loss, accuracy = evaluate(self.model, self.test)
+        else:
+            self.server_state, self.server_optim = self._server_stages(sessions, server_model)
         links = [s.link for s in sessions]
         losses = tally.losses
         weight = sum(n for _, n in losses) or 1.0
@@ -216,6 +229,8 @@ class SplitCoordinator:
             split_clients=len(sessions),
             split_steps=sum(s.server_steps for s in sessions),
             lost_batches=sum(s.lost for s in sessions),
+            rejected_batches=sum(s.rejected for s in sessions),
+            rolled_back=int(rolled_back),
             retries=retries,
             cut_bytes=sum(link.tensor_bytes for link in links),
             cut_dense_bytes=sum(link.dense_bytes for link in links),
@@ -252,7 +267,7 @@ class SplitCoordinator:
         # sequential split learning has one server-side model whatever the variant, as in the driver
         shared = copy.deepcopy(self.model) if cfg.variant == "v2" or not cfg.parallel else None
         shared_optimizer = self._optimizer(list(shared.parameters())) if shared is not None else None
-        sessions = []
+        sessions, expected = [], set()
         for node_id, node in sorted(self.nodes.items(), key=lambda item: item[1].partition):
             if node.plan.mode != "split" or node.plan.cut is None:
                 continue
@@ -261,6 +276,9 @@ class SplitCoordinator:
                 raise ValueError(f"cut {cut} leaves no server-side layers before the head (end {self.end})")
             chain = as_chain(copy.deepcopy(self.model))
             mask = cfg.cut.mask_gradient and ends_in_relu(segment(chain, 0, cut))
+            if cut not in expected:
+                self.scales.expect(copy.deepcopy(segment(chain, 0, cut)), self.test[0][: cfg.batch_size])
+                expected.add(cut)
             if shared is not None:
                 # U-shaped, other clients step the shared weights between a forward and its backward
                 back = BackStage(
@@ -268,11 +286,13 @@ class SplitCoordinator:
                     shared_optimizer,
                     mask_gradient=mask,
                     snapshot=cfg.u_shaped and cfg.parallel,
+                    scales=self.scales,
                 )
                 owner = "shared"
             else:
                 middle = segment(chain, cut, self.end)
-                back = BackStage(middle, self._optimizer(list(middle.parameters())), mask_gradient=mask)
+                optimizer = self._optimizer(list(middle.parameters()))
+                back = BackStage(middle, optimizer, mask_gradient=mask, scales=self.scales)
                 owner = f"p{node.partition}"
             steps = cfg.local_epochs * -(-node.examples // cfg.batch_size)
             self.links.setdefault(node.partition, CutLink(cfg.cut))

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedge.compression import ErrorFeedback, build_codec, decode
+from fedge.compression import CodecError, ErrorFeedback, build_codec, decode
 from fedge.compression.codec import Codec
 
 __all__ = [
+    "MAX_CUT_ELEMENTS",
     "SPARSE_NONZERO",
     "CutCodec",
     "CutConfig",
@@ -156,9 +157,18 @@ class CutLink:
         return sum(codec.dense_bytes for codec in self.codecs())
 
 
-def decode_tensor(payload: bytes) -> torch.Tensor:
-    """The one tensor a cut payload carries, as float32."""
-    (array,) = decode(payload).values()
+MAX_CUT_ELEMENTS = 1 << 25
+"""The most values a cut payload may hold (128 MB as float32; a ResNet's widest activation at batch 32 is
+6.4 M): the payload's header is checked against it before anything is allocated."""
+
+
+def decode_tensor(payload: bytes, max_elements: int = MAX_CUT_ELEMENTS) -> torch.Tensor:
+    """The one tensor a cut payload carries, as float32; :class:`~fedge.compression.CodecError` if the
+    payload is damaged, holds more than ``max_elements`` values or other than one tensor."""
+    tensors = decode(payload, max_elements=max_elements)
+    if len(tensors) != 1:
+        raise CodecError(f"a cut payload holds one tensor, this one {len(tensors)}")
+    (array,) = tensors.values()
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
@@ -173,5 +183,7 @@ def encode_labels(labels: torch.Tensor) -> bytes:
 
 
 def decode_labels(payload: bytes) -> torch.Tensor:
-    """Labels from :func:`encode_labels`."""
+    """Labels from :func:`encode_labels`; ValueError if the bytes are not whole ``int64`` values."""
+    if len(payload) % 8:
+        raise ValueError(f"{len(payload)} label bytes are not whole int64 values")
     return torch.from_numpy(np.frombuffer(payload, dtype="<i8").astype(np.int64))

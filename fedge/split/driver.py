@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from fedge.app.seeding import seeded
-from fedge.compression import ErrorFeedback, build_codec, decode
+from fedge.compression import CodecError, ErrorFeedback, build_codec, decode
 from fedge.devices.fleet import CATALOGUE, ClientProfile
 from fedge.split.config import RoundRecord, SplitFedConfig, SplitHistory
 from fedge.split.cut import CutLink
@@ -40,13 +41,14 @@ from fedge.split.rounds import (
     TensorData,
     average_deltas,
     batch_order,
+    blown_up,
     client_round_seed,
     evaluate,
     stage_delta,
     stage_keys,
     step_seed,
 )
-from fedge.split.step import BackStage, FrontStage
+from fedge.split.step import ActivationScales, BackStage, BatchRejected, FrontStage
 from fedge.split.timing import (
     SplitFlops,
     StageFlops,
@@ -54,6 +56,7 @@ from fedge.split.timing import (
     send_s,
     simulate_split_round,
 )
+from fedge.split.updates import UpdateRejected, check_delta
 
 __all__ = ["SplitFedRun", "evaluate"]
 
@@ -102,6 +105,7 @@ class SplitFedRun:
         self.full_flops = self._flop_count.full
         self.links = {i: CutLink(config.cut) for i, p in enumerate(plans) if p.mode == "split"}
         self.feedback = {i: {} for i in range(len(plans))}  # error-feedback state of each client's updates
+        self.scales = ActivationScales()  # what the server stages step on, by cut
         self.model_bytes = 4 * sum(p.numel() for p in model.parameters())
         self.history = SplitHistory()
         self.clock_s = 0.0
@@ -139,7 +143,12 @@ class SplitFedRun:
             if plan.mode != "full":
                 continue
             delta, loss = self._train_full(i, round_, start)
-            sent, nbytes = self._upload(i, round_, delta)
+            try:
+                sent, nbytes = self._upload(i, round_, delta)
+                check_delta(sent, {k: v.shape for k, v in delta.items()})
+            except (CodecError, UpdateRejected) as err:  # NaN weights: the device's update reaches no one
+                log.warning("round %d: full client %d's update is left out: %s", round_, i, err)
+                continue
             contributions.append((sent, float(len(self.data[i][1]))))
             losses.append((loss, len(self.data[i][1])))
             link, device = self.profiles[i].link, self.profiles[i].compute
@@ -161,6 +170,10 @@ class SplitFedRun:
             down_bytes += split["down_bytes"]
         self._apply(start, contributions)
         loss, accuracy = evaluate(self.model, self.test)
+        if blown_up(loss, self.history.rounds[-1].loss if self.history.rounds else math.inf):
+            log.warning("round %d: the averaged model's loss is %s: the round's start is kept", round_, loss)
+            self.model.load_state_dict(start)
+            loss, accuracy = evaluate(self.model, self.test)
         round_s = max(durations, default=0.0)
         self.clock_s += round_s
         after = {i: (link.tensor_bytes, link.dense_bytes, link.label_bytes) for i, link in self.links.items()}
@@ -235,17 +248,23 @@ class SplitFedRun:
             params = list(front.parameters()) + (list(head.parameters()) if head is not None else [])
             fronts[i] = FrontStage(front, self._optimizer(params), self.links[i], head=head)
             mask = cfg.cut.mask_gradient and ends_in_relu(front)
+            self.scales.expect(copy.deepcopy(front), self.test[0][: cfg.batch_size])
             if shared_v2:
                 backs[i] = BackStage(
-                    segment(server_chain, cut, self.end), shared_optimizer, mask_gradient=mask
+                    segment(server_chain, cut, self.end),
+                    shared_optimizer,
+                    mask_gradient=mask,
+                    scales=self.scales,
                 )
             else:
                 middle = segment(chain, cut, self.end)
-                backs[i] = BackStage(middle, self._optimizer(list(middle.parameters())), mask_gradient=mask)
+                optimizer = self._optimizer(list(middle.parameters()))
+                backs[i] = BackStage(middle, optimizer, mask_gradient=mask, scales=self.scales)
             keys[i] = stage_keys(self.model, cut, self.end)
         orders = {i: batch_order(len(self.data[i][1]), cfg, round_, i) for i in ids}
         chains: dict[int, list[StepCost]] = {i: [] for i in ids}
         losses = {i: [0.0, 0] for i in ids}
+        rejected = {i: 0 for i in ids}  # batches lost to a step that failed
         if cfg.parallel:
             schedule = [
                 (i, k) for k in range(max(len(o) for o in orders.values())) for i in ids if k < len(orders[i])
@@ -259,7 +278,14 @@ class SplitFedRun:
                 if fronts[i].head is not None:
                     fronts[i].head.load_state_dict(fronts[previous].head.state_dict())
             previous = i
-            cost, loss = self._split_step(i, fronts[i], backs[i], orders[i][k], seed=step_seed(round_, k))
+            try:
+                cost, loss = self._split_step(i, fronts[i], backs[i], orders[i][k], seed=step_seed(round_, k))
+            except (BatchRejected, CodecError) as err:  # NaN activations (the device's own encoder refuses)
+                fronts[i].discard()
+                if not rejected[i]:
+                    log.warning("round %d: split client %d: batch %d lost: %s", round_, i, k, err)
+                rejected[i] += 1
+                continue
             chains[i].append(cost)
             losses[i][0] += loss * len(orders[i][k])
             losses[i][1] += len(orders[i][k])
@@ -274,14 +300,17 @@ class SplitFedRun:
             local = _stage_delta(source.front, front_keys, start)
             if source.head is not None:
                 local.update(_stage_delta(source.head, head_keys, start))
+            link = self.profiles[i].link
+            down_s.append(send_s(4 * sum(t.numel() for t in local.values()), link, up=False))
+            if not chains[i] and cfg.parallel:  # no step: its stages only pull the model back to the start
+                log.warning("round %d: split client %d stepped no batch; it is left out", round_, i)
+                up_s.append(0.0)
+                continue
             sent, nbytes = self._upload(i, round_, local)
             contributions.append((sent, n))
             server_source = backs[i].back
             contributions.append((_stage_delta(server_source, middle_keys, start), n))
             update_bytes += nbytes
-            stage_bytes = 4 * sum(t.numel() for t in local.values())
-            link = self.profiles[i].link
-            down_s.append(send_s(stage_bytes, link, up=False))
             up_s.append(send_s(nbytes, link, up=True))
         finish = simulate_split_round(
             [chains[i] for i in ids],

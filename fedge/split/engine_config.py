@@ -108,7 +108,9 @@ class EngineRound:
     """One round of the split engine: the global model's test figures and what happened on the wire.
 
     ``split_steps`` counts batches the coordinator stepped its server side on; ``lost_batches`` those a
-    client dropped (given up after ``max_attempts``, or a gradient the client never applied);
+    client dropped (given up after ``max_attempts``, or a gradient the client never applied) and those the
+    coordinator's stage would not step on (``rejected_batches``: damaged, mis-shaped, NaN); ``rolled_back``
+    is 1 when the averaged model's loss was not finite or blew up and the round's start was kept;
     ``retries`` the exchanges asked again. ``steps_by_partition`` and ``trained`` (partitions whose
     update was averaged in) say who took part. Bytes are payload bytes at the cut (activations and
     gradients, U-shaped also the server stage's output and the gradient at it, and what they take as
@@ -135,3 +137,5 @@ class EngineRound:
     steps_by_partition: dict[str, int] = field(default_factory=dict)
     round_s: float = 0.0
     clock_s: float = 0.0
+    rejected_batches: int = 0
+    rolled_back: int = 0

@@ -7,6 +7,7 @@ and lossless cuts they give the same global model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -16,11 +17,13 @@ from fedge.split.config import SplitFedConfig
 from fedge.split.model import stage_key_maps
 
 __all__ = [
+    "LOSS_BLOW_UP",
     "Delta",
     "StageKeys",
     "TensorData",
     "average_deltas",
     "batch_order",
+    "blown_up",
     "evaluate",
     "stage_delta",
     "stage_keys",
@@ -105,3 +108,15 @@ def average_deltas(
             sums[key] = sums.get(key, torch.zeros_like(start[key])) + weight * value.reshape(start[key].shape)
             weights[key] = weights.get(key, 0.0) + weight
     return {k: (v + sums[k] / weights[k]) if k in sums else v for k, v in start.items()}
+
+
+LOSS_BLOW_UP = 100.0
+"""An averaged model whose test loss is this many times the last kept model's has blown up (as the round
+runner's guard, :data:`fedge.server.runner.LOSS_BLOW_UP`)."""
+
+
+def blown_up(loss: float, reference: float) -> bool:
+    """Whether an averaged model's test ``loss`` is not finite, or over :data:`LOSS_BLOW_UP` times the
+    ``reference`` loss of the last model kept (``inf``: none yet). From such a model every client's next
+    step is NaN or huge: one client's activations of 1e4 had left the global model computing NaN."""
+    return not math.isfinite(loss) or (0.0 < reference < math.inf and loss > LOSS_BLOW_UP * reference)

@@ -17,6 +17,7 @@ batch leaves an :class:`Exchange` (its samples and payload bytes) for the simula
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -27,9 +28,11 @@ from fedge.compression import CodecError, inspect_payload
 from fedge.split.cut import CutCodec, CutLink
 from fedge.split.messages import StepReply, StepRequest
 from fedge.split.rounds import StageKeys, step_seed
-from fedge.split.step import BackStage
+from fedge.split.step import BackStage, BatchRejected
 
 __all__ = ["Exchange", "SplitSession"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class SplitSession:
     done: bool = False
     server_steps: int = 0
     lost: int = 0
+    rejected: int = 0  # of the lost batches, those the stage would not step on (BatchRejected)
     loss: list[float] = field(default_factory=lambda: [0.0, 0.0])  # sum over samples, samples
 
     def request(
@@ -159,15 +163,20 @@ class SplitSession:
             self.front, self.head, self.update, self.done = reply.front, reply.head, reply.update, True
 
     def _activations(self, reply: StepReply, server_round: int) -> None:
-        """Batch ``cursor``'s activations came: step the server side (U-shaped: its forward only)."""
+        """Batch ``cursor``'s activations came: step the server side (U-shaped: its forward only). A batch
+        the stage will not step on (:class:`BatchRejected`) is lost, and only this client's."""
         seed = step_seed(server_round, reply.step)
         _count(self.link.activation_up, reply.activation)
         self.cursor += 1
-        if self.u_shaped:
-            middle = self.back.forward(reply.activation, self.link, client=self.partition, seed=seed)
-            self.middle = (reply.step, reply.version, middle, len(reply.activation), reply.samples)
+        try:
+            if self.u_shaped:
+                middle = self.back.forward(reply.activation, self.link, client=self.partition, seed=seed)
+                self.middle = (reply.step, reply.version, middle, len(reply.activation), reply.samples)
+                return
+            gradient, loss = self.back.step(reply.activation, reply.labels, self.link, seed=seed)
+        except BatchRejected as err:
+            self._rejected(reply.step, err)
             return
-        gradient, loss = self.back.step(reply.activation, reply.labels, self.link, seed=seed)
         self.link.label_bytes += len(reply.labels)
         self.pending = (reply.step, reply.version, gradient)
         samples = len(reply.labels) // 8  # int64 labels
@@ -185,10 +194,22 @@ class SplitSession:
             return
         _count(self.link.gradient_up, reply.head_gradient)
         seed = step_seed(server_round, batch)
-        gradient = self.back.backward(reply.head_gradient, self.link, client=self.partition, seed=seed)
+        try:
+            gradient = self.back.backward(reply.head_gradient, self.link, client=self.partition, seed=seed)
+        except BatchRejected as err:
+            self._rejected(batch, err)
+            return
         self.pending = (batch, version, gradient)
         self._stepped(reply.loss, samples)
         self.exchanges.append(Exchange(samples, up, len(gradient), len(middle), len(reply.head_gradient)))
+
+    def _rejected(self, batch: int, err: BatchRejected) -> None:
+        """The stage would not step on ``batch``: it is lost (no gradient is owed for it), counted, and the
+        client's first of the round is logged."""
+        self.lost += 1
+        self.rejected += 1
+        if self.rejected == 1:
+            log.warning("split client %d: batch %d rejected: %s", self.partition, batch, err)
 
     def _stepped(self, loss: float, samples: int) -> None:
         self.server_steps += 1

@@ -22,16 +22,20 @@ the first forward left them, so they move once per batch.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from fedge.app.seeding import seeded
+from fedge.compression import CodecError
 from fedge.split.cut import CutLink, decode_labels, decode_tensor, encode_labels, sparse_gradient
 
-__all__ = ["BackStage", "FrontStage", "LossFn"]
+__all__ = ["ActivationScales", "BackStage", "BatchRejected", "FrontStage", "LossFn"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -60,6 +64,100 @@ def _step(optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+class BatchRejected(ValueError):
+    """A device's batch the coordinator's stage will not step on: damaged or mis-shaped activations, labels
+    that do not match them, or values that make the loss or a gradient NaN or infinite. Nothing was
+    stepped; the batch is lost, and only the device that sent it loses it."""
+
+
+def _received(payload: bytes) -> torch.Tensor:
+    """A device's tensor, as a leaf whose gradient is sent back; :class:`BatchRejected` if it is damaged or
+    holds NaN or infinity."""
+    try:
+        tensor = decode_tensor(payload)
+    except CodecError as err:
+        raise BatchRejected(f"undecodable: {err}") from None
+    if not torch.isfinite(tensor).all():
+        raise BatchRejected("its values hold NaN or infinity")
+    return tensor.requires_grad_(True)
+
+
+def _checked_backward(
+    value: torch.Tensor, gradient: torch.Tensor | None, module: nn.Module, received: torch.Tensor
+) -> None:
+    """``value.backward(gradient)``; :class:`BatchRejected`, with every gradient it left cleared, if a
+    gradient comes out NaN or infinite (finite activations of 1e30 give an infinite loss's gradient)."""
+    value.backward(gradient)
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if received.grad is not None:
+        grads.append(received.grad)
+    if not all(bool(torch.isfinite(g).all()) for g in grads):
+        for parameter in module.parameters():
+            parameter.grad = None
+        raise BatchRejected("its gradients came out NaN or infinite")
+
+
+class ActivationScales:
+    """The scale (root mean square) of the activations recently stepped on, per cut; a batch far above
+    them is :class:`BatchRejected`.
+
+    Every client of a cut sends activations of one layer's output, so honest batches' scales agree within
+    a few times. A device that scales its activations up (by 100, say) takes the server stage's steps far
+    off, and with a shared stage (SplitFed V2) every other client's model with it: that had left the
+    global model computing NaN. One object is shared by every server stage of a run.
+
+    Parameters
+    ----------
+    max_ratio : float (default: 10.0)
+        Reject a batch whose scale is over this many times the median of the cut's recent ones.
+    min_history : int (default: 8)
+        Batches of a cut stepped on before the test applies.
+    history : int (default: 64)
+        The recent batches the median is over.
+    """
+
+    def __init__(self, max_ratio: float = 10.0, min_history: int = 8, history: int = 64) -> None:
+        self.max_ratio, self.min_history, self.history = max_ratio, min_history, history
+        self._recent: dict[tuple[int, ...], collections.deque[float]] = {}
+
+    def check(self, activation: torch.Tensor) -> float:
+        """The batch's scale; :class:`BatchRejected` if it is far above the cut's recent ones."""
+        scale = float(activation.detach().pow(2).mean().sqrt()) if activation.numel() else 0.0
+        recent = self._recent.get(tuple(activation.shape[1:]))
+        if recent is not None and len(recent) >= self.min_history:
+            typical = statistics.median(recent)
+            if typical > 0 and scale > self.max_ratio * typical:
+                raise BatchRejected(f"activations of scale {scale:.3g}, the cut's recent ones {typical:.3g}")
+        return scale
+
+    def expect(self, front: nn.Module, features: torch.Tensor) -> None:
+        """Start the cut's history from the scale of ``front``'s output on ``features`` (the coordinator's
+        own data, through the round's global front): a device's scaled batches are then rejected from the
+        first, before their steps could throw the stage off and, through its gradients, the fronts of
+        every other device (a shared stage)."""
+        with torch.no_grad():
+            activation = front.eval()(features)
+        recent = self._recent.setdefault(tuple(activation.shape[1:]), collections.deque(maxlen=self.history))
+        recent.extend([float(activation.pow(2).mean().sqrt())] * self.min_history)
+
+    def stepped(self, activation: torch.Tensor, scale: float) -> None:
+        """Count a batch the stage stepped on."""
+        key = tuple(activation.shape[1:])
+        self._recent.setdefault(key, collections.deque(maxlen=self.history)).append(scale)
+
+
+@contextlib.contextmanager
+def _guarded(what: str) -> Iterator[None]:
+    """Torch's own errors on a batch that does not fit the stage (shape, batch size, label range) as
+    :class:`BatchRejected`."""
+    try:
+        yield
+    except BatchRejected:
+        raise
+    except (RuntimeError, ValueError, IndexError) as err:
+        raise BatchRejected(f"{what}: {type(err).__name__}: {err}") from None
 
 
 class FrontStage:
@@ -165,6 +263,8 @@ class BackStage:
         at :meth:`backward`. Set it when other clients step the same parameters between a client's forward
         and its backward (a message engine's shared V2 stage): the kept graph stays valid and the gradient
         is the one of the weights that produced the output (applied one step late, as asynchronous SGD).
+    scales : ActivationScales or None (default: None)
+        Reject batches whose activations are far above the cut's recent ones (shared by a run's stages).
     """
 
     def __init__(
@@ -175,9 +275,10 @@ class BackStage:
         mask_gradient: bool = False,
         loss_fn: LossFn = nn.functional.cross_entropy,
         snapshot: bool = False,
+        scales: ActivationScales | None = None,
     ) -> None:
         self.back, self.optimizer, self.mask_gradient, self.loss_fn = back, optimizer, mask_gradient, loss_fn
-        self.snapshot = snapshot
+        self.snapshot, self.scales = snapshot, scales
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor, nn.Module]] = {}
 
     def _cut_gradient(self, activation: torch.Tensor) -> torch.Tensor:
@@ -185,29 +286,56 @@ class BackStage:
         return sparse_gradient(grad, activation.detach()) if self.mask_gradient else grad
 
     def step(self, payload: bytes, labels: bytes, link: CutLink, *, seed: int = 0) -> tuple[bytes, float]:
-        """Activations and labels in; forward, loss, backward, step; the gradient payload at the cut out."""
+        """Activations and labels in; forward, loss, backward, step; the gradient payload at the cut out.
+
+        Raises
+        ------
+        BatchRejected
+            The batch is damaged, does not fit this stage or its labels, or gives a NaN or infinite loss
+            or gradient: nothing was stepped.
+        """
         self.back.train()
-        activation = decode_tensor(payload).requires_grad_(True)
-        with seeded(seed, _BACK):
-            loss = self.loss_fn(self.back(_fed(activation)), decode_labels(labels))
-        loss.backward()
+        activation = _received(payload)
+        scale = self.scales.check(activation) if self.scales is not None else 0.0
+        with _guarded("the stage cannot take these activations and labels"):
+            targets = decode_labels(labels)
+            if len(targets) != activation.shape[0]:
+                raise BatchRejected(f"{len(targets)} labels for a batch of {activation.shape[0]} rows")
+            with seeded(seed, _BACK):
+                loss = self.loss_fn(self.back(_fed(activation)), targets)
+        if not torch.isfinite(loss):
+            raise BatchRejected(f"its loss is {float(loss.detach())}")
+        _checked_backward(loss, None, self.back, activation)
         _step(self.optimizer)
+        if self.scales is not None:
+            self.scales.stepped(activation, scale)
         return link.gradient_down.encode(self._cut_gradient(activation), seed=seed), float(loss.detach())
 
     def forward(self, payload: bytes, link: CutLink, *, client: int = 0, seed: int = 0) -> bytes:
-        """U-shaped, first half: activations in, this stage's output payload out (graph kept per client)."""
+        """U-shaped, first half: activations in, this stage's output payload out (graph kept per client);
+        :class:`BatchRejected` as :meth:`step`."""
         self.back.train()
-        activation = decode_tensor(payload).requires_grad_(True)
+        activation = _received(payload)
+        scale = self.scales.check(activation) if self.scales is not None else 0.0
         used = copy.deepcopy(self.back) if self.snapshot else self.back
-        with seeded(seed, _BACK):
+        with _guarded("the stage cannot take these activations"), seeded(seed, _BACK):
             output = used(_fed(activation))
+        if not torch.isfinite(output).all():
+            raise BatchRejected("the stage's output holds NaN or infinity")
         self._pending[client] = (activation, output, used)
+        if self.scales is not None:
+            self.scales.stepped(activation, scale)
         return link.activation_down.encode(output, seed=seed)
 
     def backward(self, payload: bytes, link: CutLink, *, client: int = 0, seed: int = 0) -> bytes:
-        """U-shaped, second half: the gradient at this stage's output in; step; the cut gradient out."""
+        """U-shaped, second half: the gradient at this stage's output in; step; the cut gradient out.
+        :class:`BatchRejected` (the pending forward dropped, nothing stepped) if the head's gradient is
+        damaged, mis-shaped or not finite."""
         activation, output, used = self._pending.pop(client)
-        output.backward(decode_tensor(payload).reshape(output.shape))
+        gradient = _received(payload).detach()
+        with _guarded("the head's gradient does not fit the stage's output"):
+            gradient = gradient.reshape(output.shape)
+        _checked_backward(output, gradient, used, activation)
         if used is not self.back:  # the snapshot's gradient, onto the live weights
             for live, copied in zip(self.back.parameters(), used.parameters(), strict=True):
                 live.grad = copied.grad

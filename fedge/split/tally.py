@@ -21,7 +21,7 @@ from flwr.app import Message
 from fedge.split.engine_clock import EngineClock, SplitCharge
 from fedge.split.rounds import Delta, stage_delta
 from fedge.split.session import SplitSession
-from fedge.split.updates import UpdateRejected, decode_update
+from fedge.split.updates import UpdateRejected, check_delta, decode_update
 
 __all__ = ["RoundTally", "local_delta", "tally_round"]
 
@@ -103,7 +103,11 @@ def tally_round(
     charges = []
     deltas: dict[int, Delta] = {}
     for s in sessions:
-        if s.front is not None or s.update:
+        if not s.server_steps and (s.front is not None or s.update):
+            # its front took no step (every batch lost or rejected): averaged in, it only pulled the model
+            # back to the round's start (one client whose batches were all NaN left the model at chance)
+            log.warning("split client %d: no batch stepped this round; its front is left out", s.partition)
+        elif s.front is not None or s.update:
             try:
                 deltas[s.partition] = local_delta(s, start)
             except UpdateRejected as err:
@@ -139,8 +143,9 @@ def _full_update(
     state = reply.content["arrays"].to_torch_state_dict()
     if not shapes.keys() <= state.keys():
         raise UpdateRejected(f"model misses {sorted(shapes.keys() - state.keys())[:3]}")
-    delta = {k: state[k] - start[k] for k in shapes}
-    return delta, 4 * _numel(delta)
+    trained = check_delta({k: state[k] for k in shapes}, shapes)  # shapes first: a subtraction broadcasts
+    delta = {k: trained[k] - start[k] for k in shapes}
+    return check_delta(delta, shapes), 4 * _numel(delta)
 
 
 def local_delta(s: SplitSession, start: dict[str, torch.Tensor]) -> Delta:
@@ -160,7 +165,13 @@ def local_delta(s: SplitSession, start: dict[str, torch.Tensor]) -> Delta:
         base = s.base or {}
         return {k: v + (base[k] - start[k]).reshape(v.shape) if k in base else v for k, v in delta.items()}
     assert s.front is not None
-    delta = stage_delta(s.front, s.keys[0], start)
-    if s.head is not None:
-        delta.update(stage_delta(s.head, s.keys[2], start))
-    return delta
+    stages = [(s.front, s.keys[0]), *([(s.head, s.keys[2])] if s.head is not None else [])]
+    delta: Delta = {}
+    for state, keys in stages:
+        missing = sorted(keys.keys() - state.keys())[:3]
+        if missing:
+            raise UpdateRejected(f"the collected stage misses {missing}")
+        trained = {keys[k]: v for k, v in state.items() if k in keys}
+        check_delta(trained, _shapes(start, list(keys.values())))  # before a subtraction broadcasts
+        delta.update(stage_delta(state, keys, start))
+    return check_delta(delta, _shapes(start, local_keys))

@@ -25,6 +25,7 @@ from fedge.compression import CodecError, ErrorFeedback, build_codec, decode
 __all__ = [
     "UPDATE_EF_KEY",
     "UpdateRejected",
+    "check_delta",
     "decode_update",
     "encode_update",
     "load_residual",
@@ -88,6 +89,21 @@ def decode_update(payload: bytes, shapes: dict[str, torch.Size]) -> Delta:
             raise UpdateRejected(f"tensor {name!r} holds non-finite values")
         out[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
     return out
+
+
+def check_delta(delta: Delta, shapes: dict[str, torch.Size]) -> Delta:
+    """A dense update (a trained model or stage minus the round's start), held to what
+    :func:`decode_update` holds a payload to: the expected shapes, finite values. One client's NaN had been
+    averaged into the global model."""
+    for name, shape in shapes.items():
+        tensor = delta.get(name)
+        if tensor is None:
+            raise UpdateRejected(f"the update misses tensor {name!r}")
+        if tuple(tensor.shape) != tuple(shape):
+            raise UpdateRejected(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise UpdateRejected(f"tensor {name!r} holds non-finite values")
+    return delta
 
 
 def load_residual(context: Context, run: int = 0) -> dict[str, np.ndarray]:

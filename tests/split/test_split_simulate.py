@@ -128,6 +128,23 @@ def test_labels_the_model_cannot_output_are_one_line(tmp_path):
     assert "the labels of client 0 run from 0 to 99; the model has 10 outputs" in output
 
 
+def test_a_model_with_batchnorm1d_trains_split(tmp_path):
+    """The label check ran the model in training mode on one example, which BatchNorm1d refuses: a model
+    that trains unsplit could not run --split (split sweep)."""
+    (tmp_path / "task.py").write_text(
+        "from torch import nn\n"
+        "from fedge.app.task import DigitsTask\n\n\n"
+        "class Norm1d(DigitsTask):\n"
+        "    def model(self):\n"
+        "        return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(),\n"
+        "                             nn.Linear(64, 10))\n"
+    )
+    args = ["simulate", "--split", "--task", f"{tmp_path / 'task.py'}:Norm1d", "--rounds", "1"]
+    result = runner.invoke(app, [*args, "--clients", "4", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "o" / "metrics.json").read_text())["rounds"][0]["accuracy"] > 0.2
+
+
 def test_a_model_whose_forward_is_not_its_chain_is_refused(tmp_path):
     source = (
         "from torch import nn\n"
