@@ -22,6 +22,7 @@ from fedge.app.config import AppConfig
 from fedge.app.task import checked_evaluation, prepare_task, task_errors
 from fedge.app.task_checks import check_model_dtypes
 from fedge.app.weights import load_record, state_record
+from fedge.compression import build_codec
 from fedge.config import ConfigError, from_table
 from fedge.reporting.history import RoundListener, RunHistory
 from fedge.server import (
@@ -131,6 +132,16 @@ def build_strategy(config: AppConfig) -> Strategy:
     if config.strategy in ("median", "trimmed-mean"):  # Flower's dense rules over decoded replies
         if config.server_optimizer != "avg" or config.server_lr != 1.0:
             log.warning("strategy %s: the server optimizer settings do not apply", config.strategy)
+        density = getattr(build_codec(compression.codec).sparsifier, "density", 1.0)
+        if density < 0.5:  # most of each coordinate's values are zeros: their median is zero
+            log.warning(
+                "strategy %s over codec %s: each coordinate's values are mostly the zeros its sparsifier "
+                "left out, so their median barely moves the model (a run at 5 %% stayed at chance); use "
+                "sparse-%s",
+                config.strategy,
+                compression.codec,
+                config.strategy,
+            )
         return DecodingStrategy(flower, compression)
     if config.strategy in robust_rules:
         return RobustStreamingFedAvg(

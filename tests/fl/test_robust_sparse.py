@@ -330,3 +330,13 @@ def test_one_client_cannot_set_the_statistics_under_any_robust_rule(rule):
     got = record_to_arrays(arrays)[0]
     assert np.all(np.abs(got["bn.running_var"] - 1.0) <= 0.1)  # within the honest clients' changes
     assert int(got["bn.num_batches_tracked"]) == 130
+
+
+def test_flowers_dense_rules_over_a_sparse_codec_are_warned_about(caplog):
+    """Their median of mostly zeros kept a run at chance, with exit 0 and no word (attack sweep)."""
+    caplog.set_level(logging.WARNING, logger="fedge.app.server_app")
+    build_strategy(AppConfig(strategy="median", codec="topk:0.05+int8"))
+    assert "mostly the zeros its sparsifier left out" in caplog.text and "use sparse-median" in caplog.text
+    caplog.clear()
+    build_strategy(AppConfig(strategy="trimmed-mean", codec="fp16"))  # dense: every coordinate is sent
+    assert "sparsifier" not in caplog.text
