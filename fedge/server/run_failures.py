@@ -122,6 +122,15 @@ class FailureWatch:
             )
 
     def check_run(self, history: RunHistory) -> None:
+        accuracies = [r.accuracy for r in history.rounds if math.isfinite(r.accuracy)]
+        initial = history.initial_accuracy
+        if len(accuracies) >= 3 and initial is not None and max(accuracies) <= initial + 0.01:
+            log.warning(
+                "no round's model did better than the untrained one (%.1f %%, best round %.1f %%): the run "
+                "trained, and learned nothing (attackers? a codec or strategy that starves the model?)",
+                100 * initial,
+                100 * max(accuracies),
+            )
         if history.rounds and not any(map(trained, history.rounds)):
             cause = error_summary(self.first_error) or "no client replied in time"
             raise RunFailed(

@@ -434,3 +434,19 @@ def test_a_run_that_gets_worse_is_warned_about_once(caplog):
         "round 5: accuracy 30.0 % is 49 points below round 2's 79.0 %: the model is getting worse (a server "
         "step too large for this fleet? a lower server_lr, or the light preset; attackers? a robust strategy)"
     ]
+
+
+def test_a_run_that_learns_nothing_is_warned_about(caplog):
+    """fedavg under scaling attackers ended at chance, exit 0, and nothing said so (attack sweep)."""
+    from fedge.reporting.history import RoundMetrics, RunHistory
+    from fedge.server.run_failures import FailureWatch
+
+    caplog.set_level(logging.WARNING, logger="fedge.server.runner")
+    for accuracies, warned in [([0.1, 0.09, 0.105], True), ([0.1, 0.5, 0.1], False), ([0.1, 0.1], False)]:
+        caplog.clear()
+        history = RunHistory(config={}, initial_accuracy=0.1)
+        for server_round, accuracy in enumerate(accuracies, start=1):
+            metrics = RoundMetrics(server_round, accuracy, 1.0, 4, 4, 1, 1, 0.1, extra={"accepted": 4})
+            history.rounds.append(metrics)
+        FailureWatch(limit=3).check_run(history)
+        assert ("did better than the untrained one" in caplog.text) is warned, accuracies
