@@ -66,6 +66,7 @@ from fedge.server.screening import (
     outlier_rejections,
     screen_reply,
 )
+from fedge.server.tightening import tightened
 
 __all__ = [
     "COUNTED_NODES_KEY",
@@ -145,6 +146,7 @@ class CompressedChannel:
 
     def __init__(self, config: CompressionConfig, weighted_by_key: str = "num-examples") -> None:
         self.config = config
+        self._accepted_norms: list[float] = []  # the last round's, for tighten
         self.weighted_by_key = weighted_by_key
         self.broadcast = ModelBroadcast(config.downlink) if config.downlink else None
         self.reports: dict[int, RoundReport] = {}
@@ -337,13 +339,10 @@ class CompressedChannel:
         norms, weights = [r.norm for r in passed], [r.weight for r in passed]
         dense_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
         accepted = []
-        for screened, rejection in zip(
-            passed,
-            outlier_rejections(
-                norms, weights, self.config.screen, lambda: [model_norm(self._model, stats)] * len(passed)
-            ),
-            strict=True,
-        ):
+        rejections = outlier_rejections(
+            norms, weights, self.config.screen, lambda: [model_norm(self._model, stats)] * len(passed)
+        )
+        for screened, rejection in zip(passed, rejections, strict=True):
             if rejection is not None:
                 self.reject(server_round, screened.node_id, rejection)
                 continue
@@ -354,7 +353,14 @@ class CompressedChannel:
             report.payload_bytes += payload
             report.dense_bytes += dense_bytes
         report.accepted = len(accepted)
+        self._accepted_norms = [r.norm for r in accepted]
         return accepted
+
+    def tighten(self) -> None:
+        """The last aggregate was dropped (its loss blew up): tighten the norm test to reject the largest
+        update that round accepted (:func:`fedge.server.tightening.tightened`)."""
+        screen = tightened(self.config.screen, self._accepted_norms)
+        self.config = dataclasses.replace(self.config, screen=screen)
 
     def _dense_reply_bytes(self, reply: Message, shapes: Mapping[str, tuple[int, ...]]) -> int:
         """Wire bytes of ``reply`` had it carried the model dense, as Flower's FedAvg clients send it (an

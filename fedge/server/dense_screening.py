@@ -48,6 +48,7 @@ from fedge.server.screening import (
     outlier_rejections,
     screen_dense_reply,
 )
+from fedge.server.tightening import tightened
 
 __all__ = ["ScreenedStrategy", "conform_replies"]
 
@@ -72,6 +73,7 @@ class ScreenedStrategy(Strategy):
     ) -> None:
         self.strategy = strategy
         self.screen = screen or ReplyScreen()
+        self._accepted_norms: list[float] = []  # the last round's, for rolled_back
         self.weighted_by_key = weighted_by_key
         self._model: dict[str, np.ndarray] = {}
         self._integers: frozenset[str] = frozenset()  # tensors the model held as integers (see below)
@@ -187,18 +189,21 @@ class ScreenedStrategy(Strategy):
         """The replies whose update norm and weight are within the screen's ratios of the round's medians."""
         norms, weights = [c.norm for _, c in passed], [c.weight for _, c in passed]
         accepted = []
-        for (reply, _), rejection in zip(
-            passed,
-            outlier_rejections(
-                norms, weights, self.screen, lambda: [model_norm(self._model, self._statistics)] * len(passed)
-            ),
-            strict=True,
-        ):
+        rejections = outlier_rejections(
+            norms, weights, self.screen, lambda: [model_norm(self._model, self._statistics)] * len(passed)
+        )
+        for (reply, _), rejection in zip(passed, rejections, strict=True):
             if rejection is not None:
                 self._reject(server_round, reply, rejection, rejected)
                 continue
             accepted.append(reply)
+        self._accepted_norms = [c.norm for (reply, c), r in zip(passed, rejections, strict=True) if r is None]
         return accepted
+
+    def rolled_back(self) -> None:
+        """The round runner dropped the last aggregate (its loss blew up): the norm test is tightened to
+        reject the largest update that round accepted (:func:`fedge.server.tightening.tightened`)."""
+        self.screen = tightened(self.screen, self._accepted_norms)
 
     @staticmethod
     def _reject(server_round: int, reply: Message, rejection: Rejected, rejected: Counter[str]) -> None:

@@ -173,8 +173,9 @@ class StreamingFedAvg(FedAvg):
     def rolled_back(self) -> None:
         """The round runner dropped the last aggregate (its loss was not finite, or blew up): the server
         optimizer's moments go back to what they were before its step (the model comes back through the
-        next :meth:`configure_train`)."""
+        next :meth:`configure_train`), and the norm test is tightened (:meth:`CompressedChannel.tighten`)."""
         self.optimizer.rewind()
+        self.channel.tighten()
 
     def _global_record(self) -> ArrayRecord:
         """The global model as an aggregate handed to Flower's loop; the next ``configure_train`` that gets

@@ -76,3 +76,31 @@ def test_with_too_few_replies_for_a_median_an_absurd_update_is_measured_against_
     assert sum(r.extra.get("rejected_norm_outlier", 0) for r in rounds) >= 1
     assert all(r.extra.get("accepted", 0) <= 1 for r in rounds)  # the honest node alone
     assert rounds[-1].accuracy > history.initial_accuracy + 0.1
+
+
+def _constant(msg: Message, context: Context, call_next) -> Message:
+    """Partition 0 replies 7.0 in every floating weight: about 1,000 times the round's median update,
+    under the loose bound of 10,000, and enough to blow the aggregate up."""
+    reply = call_next(msg, context)
+    if reply.has_error() or msg.metadata.message_type != MessageType.TRAIN:
+        return reply
+    if context.node_config["partition-id"] != 0:
+        return reply
+    arrays, _ = record_to_arrays(reply.content["arrays"])
+    constant = {n: np.full_like(v, 7.0) if v.dtype.kind == "f" else v for n, v in arrays.items()}
+    reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in constant.items()})
+    return reply
+
+
+@pytest.mark.parametrize("settings", [{}, {"codec": "topk:0.1+int8"}], ids=["dense", "compressed"])
+def test_after_a_blown_up_round_the_norm_test_rejects_what_got_through(settings):
+    """The 7.0 node passed the loose bound every round, each aggregate was dropped, and after three rounds
+    the run failed with every other node honest (attack sweep). One round is lost now, not the run."""
+    rounds_run = 4
+    config = AppConfig(rounds=rounds_run, local_epochs=1, min_nodes=NODES, **settings)
+    mods = [CompressionMod(), _constant] if config.codec else [_constant]
+    history = run(LocalGrid(reference_app(mods), NODES), build_strategy(config), rounds=rounds_run)
+    rounds = history.rounds
+    assert [r.extra.get("rolled_back", 0) for r in rounds] == [1, 0, 0, 0]
+    assert [r.extra.get("rejected_norm_outlier", 0) for r in rounds[1:]] == [1, 1, 1]
+    assert rounds[-1].accuracy > history.initial_accuracy + 0.2
