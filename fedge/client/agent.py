@@ -26,15 +26,11 @@ slow uplink) finds the file when it starts again and sends the saved reply once 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import struct
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -42,12 +38,18 @@ from flwr.common.constant import ErrorCode
 
 from fedge.atomic import write_bytes_atomic
 from fedge.client.agent_config import REFERENCE_TASK, AgentConfig
+from fedge.client.agent_state import (
+    STATE_FILE,
+    AgentState,
+    Journal,
+    load_state,
+    read_saved_context,
+    save_state,
+)
 from fedge.config import ConfigError, make_state_dir
 from fedge.devices.profile import measure_device
 from fedge.flower.compat import (
     MessageDecodeError,
-    context_from_bytes,
-    context_to_bytes,
     message_from_bytes,
     message_to_bytes,
 )
@@ -76,8 +78,6 @@ log = logging.getLogger(__name__)
 
 _CONFLICT_WINDOW_S = 60.0  # how recent another session's announcement must be to explain flapping
 
-_JOURNAL_SIZE = 4096  # answered ids kept (about 60 bytes each) before the earliest-expiring are evicted
-
 
 def load_client_app(path: str) -> ClientApp:
     """Import ``package.module:attribute`` and check it is a ClientApp."""
@@ -93,47 +93,6 @@ class _Refused(Exception):
     def __init__(self, reason: str, detail: str, message: Message | None = None) -> None:
         super().__init__(f"{reason}: {detail}")
         self.refusal, self.message = Refusal(reason, detail), message
-
-
-@dataclass
-class _Journal:
-    """Answered instruction ids and when each instruction expires (Unix seconds, the coordinator's clock)."""
-
-    answered: dict[str, float] = field(default_factory=dict)
-    floor: float = 0.0  # the latest expiry ever evicted unexpired: anything expiring no later is refused
-
-    def add(self, instruction_id: str, expires_at: float, now: float, skew_s: float) -> None:
-        # An expired instruction is refused anyway, so its id need not be kept; beyond the bound, keep the
-        # latest-expiring and raise the floor so an evicted one cannot come back.
-        entries = {i: e for i, e in self.answered.items() if e + skew_s >= now}
-        entries[instruction_id] = expires_at
-        if len(entries) > _JOURNAL_SIZE:
-            ordered = sorted(entries.items(), key=lambda item: item[1])
-            cut = len(ordered) - _JOURNAL_SIZE
-            self.floor = max(self.floor, ordered[cut - 1][1])
-            entries = dict(ordered[cut:])
-        self.answered = entries
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"floor": self.floor, "answered": self.answered}).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> _Journal:
-        fields = json.loads(data)
-        return cls({str(i): float(e) for i, e in fields["answered"].items()}, float(fields["floor"]))
-
-
-class _State(NamedTuple):
-    """What ``state.bin`` holds (a tuple: ``_load_state()[1]`` is the last id, as it always was)."""
-
-    context: Context | None
-    last_id: str
-    last_reply: bytes
-    journal: _Journal
-
-    @classmethod
-    def empty(cls) -> _State:
-        return cls(None, "", b"", _Journal())
 
 
 class DeviceAgent:
@@ -153,7 +112,7 @@ class DeviceAgent:
         self._state_dir = Path(config.state_dir)
         self._inbox_dir = self._state_dir / "inbox"
         make_state_dir(self._inbox_dir)
-        state_file = self._state_dir / "state.bin"
+        state_file = self._state_dir / STATE_FILE
         if state_file.exists() and not state_file.is_file():  # it could be neither read nor replaced
             raise ConfigError(f"{state_file} is not a file: the agent keeps its node's state there")
         self._lock = threading.Lock()
@@ -298,7 +257,7 @@ class DeviceAgent:
         with self._unsent_lock:
             self._unsent[instruction_id] = handle
 
-    def _admit(self, instruction_id: str, payload: bytes, journal: _Journal) -> Message:
+    def _admit(self, instruction_id: str, payload: bytes, journal: Journal) -> Message:
         """The instruction as a Flower message, if this agent will run it; else raise :class:`_Refused`."""
         body = payload
         if self._verifier is not None:
@@ -374,52 +333,13 @@ class DeviceAgent:
             saved.node_config = node_config
         return saved
 
-    # -- state file: context, id and bytes of the last reply, journal; each length-prefixed ---------------
+    # -- state file (fedge.client.agent_state) -----------------------------------------------------------
 
-    def _load_state(self) -> _State:
-        path = self._state_dir / "state.bin"
-        if not path.exists():
-            return _State.empty()
-        try:
-            parts = _unpack(path.read_bytes())
-            if len(parts) < 3:
-                raise ValueError("truncated")
-            context = context_from_bytes(parts[0]) if parts[0] else None
-            # A state file from before the journal existed has three parts.
-            journal = _Journal.from_bytes(parts[3]) if len(parts) > 3 else _Journal()
-            return _State(context, parts[1].decode(), parts[2], journal)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, MessageDecodeError) as err:
-            log.error("state file %s is damaged (%s); starting from a fresh context", path, err)
-            return _State.empty()
+    def _load_state(self) -> AgentState:
+        return load_state(self._state_dir / STATE_FILE)
 
-    def _save_state(self, context: Context, instruction_id: str, reply: bytes, journal: _Journal) -> None:
-        parts = [context_to_bytes(context), instruction_id.encode(), reply, journal.to_bytes()]
-        write_bytes_atomic(
-            self._state_dir / "state.bin", b"".join(struct.pack(">Q", len(p)) + p for p in parts)
-        )
-
-
-def read_saved_context(state_dir: str | Path) -> Context | None:
-    """The node Context an agent saved in ``state_dir`` (None if there is none), for inspection."""
-    path = Path(state_dir) / "state.bin"
-    if not path.exists():
-        return None
-    parts = _unpack(path.read_bytes())
-    return context_from_bytes(parts[0]) if parts and parts[0] else None
-
-
-def _unpack(data: bytes) -> list[bytes]:
-    parts, offset = [], 0
-    while offset < len(data):
-        if offset + 8 > len(data):
-            raise ValueError("truncated")
-        (size,) = struct.unpack_from(">Q", data, offset)
-        offset += 8
-        if offset + size > len(data):
-            raise ValueError("truncated")
-        parts.append(data[offset : offset + size])
-        offset += size
-    return parts
+    def _save_state(self, context: Context, instruction_id: str, reply: bytes, journal: Journal) -> None:
+        save_state(self._state_dir / STATE_FILE, AgentState(context, instruction_id, reply, journal))
 
 
 def _safe(message_id: str) -> str:

@@ -21,6 +21,7 @@ from flwr.clientapp import ClientApp
 from service_helpers import reference_agent
 
 import fedge.client.agent as agent_module
+import fedge.client.agent_state as agent_state_module
 import fedge.transport.grid as grid_module
 from fedge.app.config import AppConfig
 from fedge.app.coordinator import CoordinatorConfig, run_coordinator
@@ -239,7 +240,7 @@ def test_an_answered_instruction_delivered_again_after_a_restart_does_not_run_ag
 
 
 def test_the_journal_is_bounded_and_what_it_forgot_is_refused(mqtt, tmp_path, counting, monkeypatch):
-    monkeypatch.setattr(agent_module, "_JOURNAL_SIZE", 2)
+    monkeypatch.setattr(agent_state_module, "JOURNAL_SIZE", 2)
     config = AgentConfig(node_id="liam", mqtt=mqtt(), state_dir=str(tmp_path))
     with MqttGrid(mqtt()) as grid:
         first = DeviceAgent(config)
