@@ -27,7 +27,7 @@ from fedge.inference.agent_config import InferenceAgentConfig
 from fedge.inference.delta_receiver import DeltaReceiver
 from fedge.inference.distribution import Choice, VariantCollector, choose_variant
 from fedge.inference.feeds import manifest_dtype, zeros_input
-from fedge.inference.manifest import Manifest, read_manifest, write_manifest
+from fedge.inference.manifest import Manifest, is_older, read_manifest, write_manifest
 from fedge.inference.replicas import ReplicaGroup
 from fedge.inference.select import ThreadChooser
 from fedge.inference.serving import Canary, ModelServer, SwapResult
@@ -110,6 +110,14 @@ class ModelInstaller:
     def _add_variant(
         self, variant: str, version: str, manifest: Manifest, data: bytes, received_at: float
     ) -> None:
+        serving = self.server.serving_manifest
+        if is_older(manifest, serving):  # a signed old version replayed (by a broker, say): no going back
+            assert serving is not None
+            self.server.count_refusal("rollback")
+            message = f"exported before the serving {serving.version} (round {serving.round})"
+            log.warning("model %s (%s) refused: %s", version, variant, message)
+            self._log_swap(version, variant, False, "rollback", message, received_at=received_at)
+            return
         if variant == "fp32":  # from its delta or in full, whichever came first
             if version in self._fp32_added:
                 return

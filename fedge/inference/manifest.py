@@ -24,6 +24,7 @@ __all__ = [
     "Manifest",
     "ModelCheckError",
     "TensorSpec",
+    "is_older",
     "manifest_path",
     "read_manifest",
     "sha256_bytes",
@@ -141,6 +142,21 @@ def _check_extra(extra: dict) -> None:
     for key in _EXTRA_STRINGS:
         if key in extra and not isinstance(extra[key], str):
             raise ValueError(f"manifest extra.{key} must be a string, not {extra[key]!r:.60}")
+    started = extra.get("exporter_started")
+    if "exporter_started" in extra and (isinstance(started, bool) or not isinstance(started, (int, float))):
+        raise ValueError(f"manifest extra.exporter_started must be a number, not {started!r:.60}")
+
+
+def is_older(manifest: Manifest, serving: Manifest | None) -> bool:
+    """Whether ``manifest`` was exported before ``serving``: an earlier exporter (its process's start,
+    ``extra.exporter_started``), or the same one's earlier round. Manifests without the stamp (a model
+    exported by hand) are never older: there is nothing to order them by."""
+    if serving is None:
+        return False
+    ours, theirs = manifest.extra.get("exporter_started"), serving.extra.get("exporter_started")
+    if not isinstance(ours, (int, float)) or not isinstance(theirs, (int, float)):
+        return False
+    return (ours, manifest.round) < (theirs, serving.round)
 
 
 # each field's JSON types (a bool is never a number here) and how an error names them

@@ -165,6 +165,12 @@ class ModelServer:
         return self.current.version
 
     @property
+    def serving_manifest(self) -> Manifest | None:
+        """The manifest of the model serving now (None before the first load, or without one)."""
+        model = self._current
+        return model.manifest if model is not None else None
+
+    @property
     def serving_version(self) -> str:
         """The version serving now, or ``""`` before the first load (never raises)."""
         model = self._current

@@ -234,6 +234,10 @@ class ModelExporter:
         self.skipped: dict[str, str] = {}  # the last export's variants left out, and why
         self._started = False
         self._told_unsupported = False
+        # Orders this process's exports after every earlier one (a device refuses to go back to an older
+        # signed model a broker replays): a resumed run's exports follow its first process's, a new run's
+        # (whose rounds start again at 1) follow the old run's.
+        self.started_at = time.time()
 
     def with_on_export(self, on_export: OnExport | None) -> ModelExporter:
         """A fresh exporter like this one whose exports are also passed to ``on_export``."""
@@ -365,7 +369,12 @@ class ModelExporter:
                 measured = manifest.accuracy
                 if measured is None and variant == "fp32":
                     measured = accuracy  # no labelled data: the central evaluation of this very model
-                extra = {**manifest.extra, "round_accuracy": accuracy, **kind}
+                extra = {
+                    **manifest.extra,
+                    "round_accuracy": accuracy,
+                    "exporter_started": self.started_at,
+                    **kind,
+                }
                 write_manifest(path, manifest.with_(accuracy=measured, extra=extra))
             fsync_dir(building)
             final = self.models_dir / version

@@ -391,6 +391,33 @@ def test_a_version_served_before_and_published_again_is_installed_again(
         assert [e["version"] for e in agent.swap_log if e["ok"]] == ["a", "b", "a"]
 
 
+def test_an_older_export_replayed_is_refused_after_a_restart_too(mqtt, coordinator, variants, tmp_path):
+    """A broker replaying round 1's signed header after round 2 had the device go back to round 1: nothing
+    compared exports (inference sweep). A coordinator's exports carry when their exporter started."""
+    publisher = ArtifactPublisher(coordinator, Topics(coordinator.config.fleet), chunk_size=16 * 1024)
+    fp32_path, fp32 = variants["fp32"]
+
+    def exported(server_round: int, started: float):
+        return fp32.with_(round=server_round, extra={**fp32.extra, "exporter_started": started})
+
+    with _agent(mqtt, tmp_path) as agent:
+        _publish(publisher, fp32_path, exported(1, 1000.0), "r0001")
+        wait_until(lambda: agent.server.serving_version == "r0001")
+        _publish(publisher, fp32_path, exported(2, 1000.0), "r0002")
+        wait_until(lambda: agent.server.serving_version == "r0002")
+        _publish(publisher, fp32_path, exported(1, 1000.0), "r0001")  # the replay
+        wait_until(lambda: agent.status()["failed_swaps"].get("rollback", 0) == 1)
+        assert agent.server.serving_version == "r0002"
+        assert agent.swap_log[-1]["reason"] == "rollback"
+    with _agent(mqtt, tmp_path) as agent:  # restarted: it serves the kept r0002 and still knows its order
+        wait_until(lambda: agent.server.serving_version == "r0002")
+        _publish(publisher, fp32_path, exported(1, 1000.0), "r0001b")  # (the broker retains r0001 too)
+        wait_until(lambda: any(e["version"] == "r0001b" for e in agent.swap_log))
+        assert agent.swap_log[-1]["reason"] == "rollback" and agent.server.serving_version == "r0002"
+        _publish(publisher, fp32_path, exported(1, 2000.0), "r0001-new-run")  # a new run starts at round 1
+        wait_until(lambda: agent.server.serving_version == "r0001-new-run")
+
+
 def test_fedge_infer_asks_a_device_and_lists_what_it_serves(
     mqtt, coordinator, variants, digits_test, tmp_path
 ):
