@@ -163,7 +163,7 @@ class AppConfig:
     concurrency : int (default: 20)
         ``fedbuff``: clients training at once (C), >= ``buffer_size``.
     staleness_exponent : float (default: 0.5)
-        ``fedbuff``: an update ``τ`` versions old weighs ``(1 + τ)^-staleness_exponent``, >= 0.
+        ``fedbuff``: an update ``τ`` versions old weighs ``(1 + τ)^-staleness_exponent``, in [0, 10].
     attack : str (default: "")
         Simulated model poisoning by a fraction of the clients (:mod:`fedge.app.attacks`): ``sign-flip``,
         ``scale`` (×10), ``noise``, the colluding ``alie`` and ``ipm``, or the data poisoning ``label-flip``
@@ -290,8 +290,10 @@ class AppConfig:
                 f"fedbuff needs buffer_size >= 1 and concurrency >= buffer_size; got {self.buffer_size}, "
                 f"{self.concurrency}"
             )
-        if not (math.isfinite(self.staleness_exponent) and self.staleness_exponent >= 0):
-            raise ConfigError(f"staleness_exponent must be >= 0, got {self.staleness_exponent}")
+        if not (math.isfinite(self.staleness_exponent) and 0 <= self.staleness_exponent <= 10):
+            # 1e308 weighed every update one version old at exactly zero: the model stopped, every round
+            # reported an accepted update (FedBuff sweep)
+            raise ConfigError(f"staleness_exponent must be in [0, 10], got {self.staleness_exponent}")
         if self.attack and self.attack not in ATTACKS:
             raise ConfigError(f"unknown attack {self.attack!r}; choose one of: {', '.join(ATTACKS)}")
         if not 0.0 <= self.attackers <= 1.0:

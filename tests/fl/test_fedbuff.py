@@ -299,8 +299,9 @@ def test_fedbuff_settings_are_checked_in_one_line():
         AppConfig(buffer_size=5)
     with pytest.raises(ConfigError, match="concurrency >= buffer_size"):
         AppConfig(strategy="fedbuff", buffer_size=10, concurrency=5)
-    with pytest.raises(ConfigError, match="staleness_exponent"):
-        AppConfig(strategy="fedbuff", staleness_exponent=-1.0)
+    for exponent in (-1.0, 1e308):  # 1e308 weighed every stale update at zero
+        with pytest.raises(ConfigError, match=r"staleness_exponent must be in \[0, 10\]"):
+            AppConfig(strategy="fedbuff", staleness_exponent=exponent)
     assert AppConfig(strategy="fedbuff", server_lr=0.5).server_lr == 0.5  # dense FedBuff steps too
 
 
