@@ -213,8 +213,9 @@ class InferenceAgent:
             self.requests += 1
             self._count_failure("no-response-topic")
             return  # nowhere to answer; counted and logged once per kind
-        if not is_publish_topic(props.response_topic):  # a wildcard, a control character: unpublishable
-            self.requests += 1
+        topic = props.response_topic
+        if not (is_publish_topic(topic) and self.topics.is_infer_reply(topic, self.config.node_id)):
+            self.requests += 1  # unpublishable, or not an answer topic of this device
             self._count_failure("bad-response-topic")
             return
         fields = dict(props.user_properties)

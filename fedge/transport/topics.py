@@ -107,6 +107,15 @@ class Topics:
         base = f"{self._root}/infer-reply/{validate_name(requester, 'requester (username or client id)')}"
         return base if node_id is None else f"{base}/{validate_name(node_id, 'node id')}"
 
+    def is_infer_reply(self, topic: str, node_id: str) -> bool:
+        """Whether ``topic`` is one of :meth:`infer_reply`'s for ``node_id``: where a device may answer. A
+        request names its response topic, and a device that answered on any topic it was given published on
+        the fleet's artifact, status and other devices' request topics for whoever asked (inference sweep;
+        without the deploy ACL nothing else stops it)."""
+        prefix = f"{self._root}/infer-reply/"
+        requester, _, node = topic.removeprefix(prefix).partition("/")
+        return topic.startswith(prefix) and node == node_id and bool(requester) and "/" not in requester
+
     def mosquitto_acl(self, coordinator_user: str = "coordinator") -> str:
         """A Mosquitto ACL file that confines each node (username == node id) to its own topics.
 

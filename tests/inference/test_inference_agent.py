@@ -193,12 +193,22 @@ def test_bad_requests_get_error_answers_and_are_counted(mqtt, coordinator, varia
         wildcard = MessageProperties(response_topic=client.topics.infer_reply("x") + "/#")
         client.connection.publish(request_topic, b"", message_properties=wildcard)  # cannot be answered
         wait_until(lambda: agent.failed_requests.get("bad-response-topic", 0) == 1)
+        # another device's request topic, the fleet's artifacts, an answer topic of another device: the
+        # agent had published its answer on each (inference sweep)
+        for elsewhere in (
+            request_topic.replace("dev-1", "dev-2"),
+            client.topics.artifact("model-fp32"),
+            client.topics.infer_reply("x", "dev-2"),
+        ):
+            props = MessageProperties(response_topic=elsewhere, correlation_data=b"c")
+            client.connection.publish(request_topic, b"", message_properties=props)
+        wait_until(lambda: agent.failed_requests.get("bad-response-topic", 0) == 4)
         with pytest.raises(InferenceError, match="Invalid rank"):  # the request's fault: a bad request
             client.predict("dev-1", np.zeros((2, 1, 64), np.float32), timeout=10)
         assert agent.failed_requests == {
             "bad-request": 5,
             "no-response-topic": 1,
-            "bad-response-topic": 1,
+            "bad-response-topic": 4,
         }
         assert client.predict("dev-1", np.zeros((2, 1, 8, 8), np.float32)).outputs.shape == (2, 10)
         assert agent.connection.connects == 1  # never dropped by the broker
