@@ -132,6 +132,11 @@ class DeviceAgent:
 
     def start(self) -> None:
         """Connect, report the device profile and finish instructions left by a crash."""
+        if self._verifier is None:  # the default: said once, where an operator looks
+            log.warning(
+                "no instruction_key_files: this agent runs instructions from anyone who can publish on its "
+                "inbox; give it the coordinator's public key (docs/deployment.md)"
+            )
         self._endpoint.start()
         self._endpoint.send(  # signed as replies are: the coordinator samples and budgets by it
             self._sign(dataclasses.replace(measure_device(), **self.config.link).to_bytes()),

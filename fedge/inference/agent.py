@@ -142,6 +142,12 @@ class InferenceAgent:
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
         """Load the kept model (if any), connect, and start answering, receiving and reporting."""
+        if not self.config.instruction_keys:  # the default: said once, where an operator looks
+            log.warning(
+                "no instruction_key_files: this device installs and serves models from anyone who may "
+                "publish on the fleet's artifact topics; give it the coordinator's public key "
+                "(docs/deployment.md)"
+            )
         result = self.installer.load_kept()
         if result is not None and result.ok:
             for subscriber in self.subscribers.values():
