@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from fedge.transport.config import MqttConfig
 from fedge.transport.connection import MqttConnection, Will
@@ -153,6 +153,12 @@ class ReliableChannel:
         own), before the frame reaches the receiver; if it raises, the settings alone apply.
         """
         self._message_limit = limit
+
+    def set_expected(self, topics: Callable[[], Collection[str]] | None) -> None:
+        """The topics whose messages the application awaits now; a new transfer on one of them that finds
+        the receiver full takes the place of another topic's (:attr:`Reassembler.expected`). Called under
+        the channel's lock: it must take no lock that is held while calling into the channel."""
+        self._reassembler.expected = topics
 
     def count_drop(self, topic: str, reason: str, *, drop: bool = True) -> None:
         """Count something received on ``topic`` and thrown away (``drop``) or only ignored."""

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fedge.protocol.fleet import RESERVED_NODE_IDS
@@ -215,6 +215,14 @@ class CoordinatorEndpoint(_Endpoint):
             return 0 if node_id is None or node_id in RESERVED_NODE_IDS else limit(node_id)
 
         self.channel.set_message_limit(by_topic)
+
+    def set_awaited(self, nodes: Callable[[], Iterable[str]] | None) -> None:
+        """The nodes whose replies the application awaits now (a Grid: those it instructed and has not heard
+        from): a reply of one of them that finds no room in the receiver takes another node's place."""
+        if nodes is None:
+            self.channel.set_expected(None)
+            return
+        self.channel.set_expected(lambda: {self.topics.outbox(node) for node in nodes()})
 
     def online_nodes(self) -> set[str]:
         """Ids of the nodes online now."""

@@ -109,6 +109,9 @@ class MqttGrid(RunGrid):
         self.rejections = RejectionLog()  # the same drops per node, and which of them to log now
         self.refusals: Counter[str] = Counter()
         self.endpoint = CoordinatorEndpoint(config, on_message=self._on_delivery)
+        # the instructed nodes' replies come first when the receiver is full (read under the transport's
+        # lock: a copy of the values, never this Grid's lock)
+        self.endpoint.set_awaited(lambda: [awaited.node for awaited in list(self._awaited.values())])
 
     # -- lifecycle -------------------------------------------------------------------------------------
 

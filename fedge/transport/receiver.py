@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from fedge.transport.config import TransferSettings
@@ -185,6 +185,11 @@ class Reassembler:
         self._done = Remembered(2 * settings.dedup_size)
         self._reserved = 0
         self._held = 0
+        self.expected: Callable[[], Collection[str]] | None = None
+        """The streams whose messages the application awaits now (a coordinator: the nodes it instructed),
+        if it says: a transfer of one of them that finds no room takes the place of another stream's. 260
+        senders trickling one transfer each had held every slot, and the sampled nodes' replies were dropped
+        round after round (resource sweep)."""
 
     @property
     def reserved_bytes(self) -> int:
@@ -369,12 +374,27 @@ class Reassembler:
         # Senders above their share give way first; then (the share being at least one) any transfer that
         # stalled; failing both, the newcomer waits.
         while len(self._partials) + 1 > settings.max_partial_transfers:
-            if not self._evict(lambda s: len(s.partials), count_share, now_s):
+            if not (self._evict(lambda s: len(s.partials), count_share, now_s) or self._evict_for(stream)):
                 return "partials"
         while self._reserved + reserved > settings.max_buffered_bytes:
-            if not self._evict(lambda s: s.reserved, byte_share, now_s):
+            if not (self._evict(lambda s: s.reserved, byte_share, now_s) or self._evict_for(stream)):
                 return "memory"
         return None
+
+    def _evict_for(self, stream: str) -> bool:
+        """For an awaited ``stream`` (:attr:`expected`): drop the least recently progressing partial of a
+        stream nobody awaits; whether one went."""
+        expected = set(self.expected()) if self.expected is not None else set()
+        if stream not in expected:
+            return False
+        others = [(key, p) for key, p in self._partials.items() if key[0] not in expected]
+        if not others:
+            return False
+        key, _ = min(others, key=lambda item: item[1].last_progress_s)
+        self._drop(key)
+        self.stats.evicted += 1
+        self.stats.drop(key[0], "evicted")
+        return True
 
     def _evict(self, usage: Callable[[_Sender], float], share: float, now_s: float) -> bool:
         """Drop the most stalled partial of the sender furthest above ``share`` (by ``usage``), or else the
@@ -397,7 +417,6 @@ class Reassembler:
         self.stats.evicted += 1
         self.stats.drop(stream, "evicted")
         return True
-        logger.debug("evicted a partial message of %s to make room for a sender within its share", stream)
 
     # ----------------------------------------------------------------------------------------- completion
     def _complete(

@@ -174,6 +174,25 @@ def test_more_senders_than_transfers_cannot_lock_a_newcomer_out_for_long() -> No
     assert done is not None
 
 
+def test_a_sender_the_application_awaits_takes_a_trickling_strangers_place() -> None:
+    """260 senders each trickling one transfer (never stalled) held every slot: the sampled nodes' replies
+    were dropped as partials round after round and the run failed (resource sweep). A sender the
+    application awaits now takes the place of the least recently moving transfer of one it does not."""
+    settings_ = TransferSettings(max_partial_transfers=256, ack_timeout_s=5.0)
+    receiver = Reassembler(settings_)
+    sybils = [f"fedge/t/node/sybil{tid}/out" for tid in range(256)]
+    for tid, sybil in enumerate(sybils):
+        receiver.on_data(sybil, _frame(4096, chunk=2048, tid=tid), now_s=float(tid) / 1000)
+    assert receiver.on_data(HONEST, _frame(4096, chunk=2048, tid=999), now_s=1.0) == (None, None)
+    receiver.expected = lambda: {HONEST}
+    receiver.on_data(OTHER, _frame(4096, chunk=2048, tid=998), now_s=1.0)  # not awaited: still refused
+    assert receiver.sender_usage(OTHER)[0] == 0
+    receiver.on_data(HONEST, _frame(4096, chunk=2048, tid=999), now_s=1.0)
+    assert receiver.sender_usage(HONEST)[0] == 1 and receiver.sender_usage(sybils[0])[0] == 0
+    _, done = receiver.on_data(HONEST, _frame(4096, 1, chunk=2048, tid=999), now_s=1.1)
+    assert done is not None and receiver.stats.by_stream[sybils[0]]["evicted"] == 1
+
+
 def test_the_application_limits_each_senders_messages() -> None:
     receiver = Reassembler(TransferSettings(max_message_bytes=4000))
     ack, _ = receiver.on_data(EVIL, _frame(1001, chunk=512), 1.0, message_limit=1000)
