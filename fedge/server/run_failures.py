@@ -86,6 +86,7 @@ class FailureWatch:
             or error_summary(first_error)
             or _rejections(metrics)
             or _clock_cause(metrics)
+            or _transport_cause(metrics)
             or "no client replied in time"
         )
         log.warning(
@@ -149,6 +150,20 @@ def _clock_cause(metrics: RoundMetrics) -> str:
         f"{statuses.count('late')} of {n} replies came after the deadline",
     ]
     return "; ".join(cause for cause in causes if not cause.startswith("0 of"))
+
+
+def _transport_cause(metrics: RoundMetrics) -> str:
+    """What the MQTT transport dropped in the round (its ``transport_dropped_<reason>`` figures), or "": a
+    round whose replies were dropped on arrival had been reported as one no client replied to."""
+    drops = {
+        key.removeprefix("transport_dropped_"): int(value)
+        for key, value in metrics.extra.items()
+        if key.startswith("transport_dropped_") and value
+    }
+    if not drops:
+        return ""
+    listed = ", ".join(f"{reason} {count}" for reason, count in sorted(drops.items(), key=lambda kv: -kv[1]))
+    return f"no reply got through; the transport dropped messages on arrival ({listed})"
 
 
 def _rejections(metrics: RoundMetrics) -> str:

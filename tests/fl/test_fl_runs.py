@@ -450,3 +450,14 @@ def test_a_run_that_learns_nothing_is_warned_about(caplog):
             history.rounds.append(metrics)
         FailureWatch(limit=3).check_run(history)
         assert ("did better than the untrained one" in caplog.text) is warned, accuracies
+
+
+def test_a_round_whose_replies_the_transport_dropped_says_so():
+    """It said "no client replied in time" while every reply had been dropped on arrival (resource sweep)."""
+    from fedge.reporting.history import RoundMetrics
+    from fedge.server.run_failures import FailureWatch, RunFailed
+
+    extra = {"accepted": 0, "transport_dropped_partials": 6.0, "transport_dropped_size": 1.0}
+    metrics = RoundMetrics(1, 0.1, 2.3, 3, 0, 1, 0, 60.0, extra=extra)
+    with pytest.raises(RunFailed, match=r"the transport dropped messages on arrival \(partials 6, size 1\)"):
+        FailureWatch(limit=1).check(metrics, "")
