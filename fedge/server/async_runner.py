@@ -123,6 +123,7 @@ class FedBuffStrategy(Strategy):
         self._record: ArrayRecord | None = None  # the current model, as sent
         self._bases: dict[int, dict[str, np.ndarray]] = {}  # dense replies: label -> the model sent
         self._in_flight: dict[str, _Dispatch] = {}  # message id -> dispatch, until its reply is pulled
+        self._timed_out = 0  # dispatches given up on since the last aggregation
         self._arrived: dict[str, _Dispatch] = {}  # message id -> dispatch, while its reply is buffered
         # nodes whose work was lost since the last aggregation: not sent work again before it (re-sent at
         # once, a node failing at once kept a slot busy forever and the buffer never filled)
@@ -208,7 +209,9 @@ class FedBuffStrategy(Strategy):
             "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
             "staleness_max": max(staleness, default=0),
             "in_flight": len(self._in_flight),
+            "timed_out": self._timed_out,  # dispatches given up on since the last aggregation
         }
+        self._timed_out = 0
         self._metrics[self.state.version] = metrics
         contents = [sent[node][0].content for node in counted]  # what the counted clients' train() said
         self.train_metrics[self.state.version] = average_train_metrics(contents, self.weighted_by_key)
@@ -370,7 +373,9 @@ class FedBuffStrategy(Strategy):
         limit = time.monotonic() - timeout
         late = [i for i, d in self._in_flight.items() if d.sent_s < limit]
         for message_id in late:
-            log.info("node %d did not reply within %.0f s", self._in_flight.pop(message_id).node, timeout)
+            node = node_label(self._in_flight.pop(message_id).node)
+            log.warning("node %s did not reply within %.0f s; its slot goes to another node", node, timeout)
+        self._timed_out += len(late)
         return bool(late)
 
     def keep(self, arrays: ArrayRecord) -> None:

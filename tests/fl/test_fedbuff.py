@@ -453,3 +453,21 @@ def test_a_node_that_fails_at_once_rests_until_the_next_aggregation():
         grid.shutdown()
     assert [r.extra["accepted"] for r in history.rounds] == [3, 3, 3]
     assert history.rounds[-1].accuracy > 0.5
+
+
+def test_a_dispatch_given_up_on_is_counted_and_named(caplog):
+    """Two killed agents' lost dispatches were an INFO line naming Flower's integer id, and nowhere in
+    metrics.json (FedBuff sweep)."""
+    import logging
+    import time
+
+    from fedge.protocol.fleet import flower_node_id
+    from fedge.server.async_runner import _Dispatch
+
+    strategy = build_strategy(_fedbuff_app())
+    caplog.set_level(logging.WARNING, logger="fedge.server.async_runner")
+    strategy._in_flight["m1"] = _Dispatch(flower_node_id("fb-1"), 3, time.monotonic() - 30.0)
+    strategy._in_flight["m2"] = _Dispatch(flower_node_id("fb-2"), 3, time.monotonic())
+    assert strategy._expire(20.0) and list(strategy._in_flight) == ["m2"]
+    assert strategy._timed_out == 1
+    assert "node fb-1 (" in caplog.text and "did not reply within 20 s" in caplog.text
