@@ -49,6 +49,7 @@ from fedge.server.model_delta import DeltaPlanner
 from fedge.server.model_export import ExportedModel
 from fedge.server.model_publish import ModelDistributor
 from fedge.server.node_floor import NodeFloorGrid
+from fedge.server.profile_store import PROFILES_FILE, load_profiles, save_profiles
 from fedge.server.runner import FederatedRun, run_rounds
 from fedge.server.schedule import Schedule
 from fedge.server.schedule_grid import ScheduledGrid
@@ -239,6 +240,9 @@ def _run_service(
         StatusWriter(state_dir / STATUS_FILE, grid, run.num_rounds, resume_point, devices) as status,
     ):
         grid.dropped.update(earlier_drops or {})
+        for name, profile in load_profiles(state_dir / PROFILES_FILE).items():
+            grid.profiles.setdefault(name, profile)  # one that came meanwhile is newer
+        grid.on_profile = lambda: save_profiles(state_dir / PROFILES_FILE, grid.profiles)
         limit = _reply_limit(run.initial_arrays)
         grid.endpoint.set_message_limit(lambda node: limit)  # no reply needs more than a dense model
         run = dataclasses.replace(run, round_extras=_DropsPerRound(grid))

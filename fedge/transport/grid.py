@@ -105,6 +105,7 @@ class MqttGrid(RunGrid):
         self._replies: dict[str, Message] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()  # instruction id -> its round
         self.profiles: dict[str, DeviceProfile] = {}
+        self.on_profile: Callable[[], None] | None = None  # told after each profile kept (to persist them)
         self.dropped: Counter[str] = Counter()
         self.rejections = RejectionLog()  # the same drops per node, and which of them to log now
         self.refusals: Counter[str] = Counter()
@@ -381,8 +382,13 @@ class MqttGrid(RunGrid):
         except ConfigError as err:
             self._reject(node_id, "-", "bad-profile", str(err))
             return
+        self.profiles.pop(node_id, None)  # the newest last: the oldest go first past the bound
         self.profiles[node_id] = profile
+        while len(self.profiles) > MAX_PROFILES:  # ids come from the network: a bounded record of them
+            self.profiles.pop(next(iter(self.profiles)))
         log.info("node %s profile: %s", node_id, profile)
+        if self.on_profile is not None:
+            self.on_profile()
 
     def _finish(self, instruction_id: str, server_round: str) -> None:
         self._finished[instruction_id] = server_round
@@ -427,6 +433,11 @@ class MqttGrid(RunGrid):
     def _record(self, event: str, node: str, server_round: str, **fields: Any) -> None:
         if self._audit is not None:
             self._audit({"event": event, "node": node, "round": server_round, "time": time.time(), **fields})
+
+
+MAX_PROFILES = 10_000
+"""Device profiles an MqttGrid keeps, the most recent ones (3,001 invented ids had grown status.json to
+1.25 MB, rewritten every round; resource sweep)."""
 
 
 def _round_of(message: Message) -> str:

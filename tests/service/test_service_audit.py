@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,10 +12,12 @@ from fedge.app import client_app as reference
 from fedge.app.config import AppConfig
 from fedge.app.coordinator import CoordinatorConfig, run_coordinator
 from fedge.app.server_app import run_federated
+from fedge.devices.profile import measure_device
 from fedge.flower.compat import set_task_identity
 from fedge.server import audit
 from fedge.server.audit import AuditLog, counted_rounds, dropped_counts
 from fedge.server.checkpoint import load_checkpoint, save_checkpoint
+from fedge.server.profile_store import load_profiles, save_profiles
 from fedge.server.service import ServiceConfig
 from fedge.simulation.local_grid import LocalGrid
 
@@ -156,6 +159,8 @@ def test_after_a_resume_the_first_round_reports_only_its_own_drops(mqtt, tmp_pat
     agent.start()
     try:
         state_dir = tmp_path / "coordinator"
+        state_dir.mkdir()
+        save_profiles(state_dir / "profiles.json", {"bob": dataclasses.replace(measure_device(), cpus=64)})
         service = ServiceConfig(mqtt=mqtt(), state_dir=str(state_dir), wait_for_nodes_s=60.0)
         run_coordinator(
             CoordinatorConfig(service=service, app=AppConfig(rounds=1, min_nodes=1, export_every=0))
@@ -172,6 +177,11 @@ def test_after_a_resume_the_first_round_reports_only_its_own_drops(mqtt, tmp_pat
     assert "replies_dropped_unknown-instruction" not in history.rounds[1].extra
     status = json.loads((state_dir / "status.json").read_text())
     assert status["dropped_replies"] == {"unknown-instruction": 3}
+    # profiles outlive the process that heard them (an agent sends its own once per connection): bob's,
+    # heard by an earlier process, is known; ann's, if heard by now, is kept for the next
+    assert "bob" in status["profiles"]
+    kept = load_profiles(state_dir / "profiles.json")
+    assert set(kept) == {"bob", *status["profiles"]} and kept["bob"].cpus == 64
 
 
 def test_a_rolled_back_round_counts_no_update_in_the_audit(mqtt, tmp_path: Path) -> None:
