@@ -115,7 +115,6 @@ class ModelInstaller:
             assert serving is not None
             self.server.count_refusal("rollback")
             message = f"exported before the serving {serving.version} (round {serving.round})"
-            log.warning("model %s (%s) refused: %s", version, variant, message)
             self._log_swap(version, variant, False, "rollback", message, received_at=received_at)
             return
         if variant == "fp32":  # from its delta or in full, whichever came first

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -242,7 +243,10 @@ def _run_service(
         grid.dropped.update(earlier_drops or {})
         for name, profile in load_profiles(state_dir / PROFILES_FILE).items():
             grid.profiles.setdefault(name, profile)  # one that came meanwhile is newer
-        grid.on_profile = lambda: save_profiles(state_dir / PROFILES_FILE, grid.profiles)
+        # kept with each round's checkpoint, not as each arrives: written on the transport's thread, 3,000
+        # profiles from invented ids had held every reply up for a minute (re-verification sweep)
+        profiles_heard = threading.Event()
+        grid.on_profile = profiles_heard.set
         limit = _reply_limit(run.initial_arrays)
         grid.endpoint.set_message_limit(lambda node: limit)  # no reply needs more than a dense model
         run = dataclasses.replace(run, round_extras=_DropsPerRound(grid))
@@ -268,6 +272,9 @@ def _run_service(
         def checkpoint(server_round: int, arrays: ArrayRecord, history: RunHistory) -> None:
             strategy_state = strategy.state_dict() if hasattr(strategy, "state_dict") else {}
             save_checkpoint(state_dir, server_round, arrays, history, strategy_state)
+            if profiles_heard.is_set():
+                profiles_heard.clear()
+                save_profiles(state_dir / PROFILES_FILE, grid.profiles)
             counted = _counted_record(strategy_state)  # which accepted replies the strategy aggregated
             nodes = audit.counted_names(server_round, counted) if counted is not None else None
             if server_round in _rolled_back(history):  # its aggregate was dropped: no update counted
@@ -278,14 +285,18 @@ def _run_service(
         # allowed ends the run (status.json says what it waits for meanwhile)
         scheduled = _scheduled(grid, config.schedule)
         floor = NodeFloorGrid(scheduled, run.min_nodes, config.wait_for_nodes_s, status.waiting)
-        return run_rounds(
-            floor,
-            run,
-            [*listeners, status.on_round],
-            resume=resume_point,
-            on_round_end=checkpoint,
-            timeout=config.round_timeout_s,
-        )
+        try:
+            return run_rounds(
+                floor,
+                run,
+                [*listeners, status.on_round],
+                resume=resume_point,
+                on_round_end=checkpoint,
+                timeout=config.round_timeout_s,
+            )
+        finally:  # however the run ends, what it heard is kept
+            if profiles_heard.is_set():
+                save_profiles(state_dir / PROFILES_FILE, grid.profiles)
 
 
 def _scheduled(grid: MqttGrid, schedule: Schedule) -> MqttGrid | ScheduledGrid:

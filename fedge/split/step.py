@@ -136,9 +136,13 @@ class ActivationScales:
         """Start the cut's history from the scale of ``front``'s output on ``features`` (the coordinator's
         own data, through the round's global front): a device's scaled batches are then rejected from the
         first, before their steps could throw the stage off and, through its gradients, the fronts of
-        every other device (a shared stage)."""
-        with torch.no_grad():
-            activation = front.eval()(features)
+        every other device (a shared stage).
+
+        ``front`` runs in training mode, as on the devices (BatchNorm normalising by the batch: in eval mode,
+        its initial running statistics would pass small inputs through small, and honest batches would look
+        far larger), so give it a copy; torch's random state is left as it was (dropout draws)."""
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            activation = front.train()(features)
         recent = self._recent.setdefault(tuple(activation.shape[1:]), collections.deque(maxlen=self.history))
         recent.extend([float(activation.pow(2).mean().sqrt())] * self.min_history)
 

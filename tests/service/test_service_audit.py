@@ -181,7 +181,7 @@ def test_after_a_resume_the_first_round_reports_only_its_own_drops(mqtt, tmp_pat
     # heard by an earlier process, is known; ann's, if heard by now, is kept for the next
     assert "bob" in status["profiles"]
     kept = load_profiles(state_dir / "profiles.json")
-    assert set(kept) == {"bob", *status["profiles"]} and kept["bob"].cpus == 64
+    assert kept["bob"].cpus == 64 and set(kept) <= {"bob", "ann"}  # ann's too, if heard by the run's end
 
 
 def test_a_rolled_back_round_counts_no_update_in_the_audit(mqtt, tmp_path: Path) -> None:
