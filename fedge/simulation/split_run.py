@@ -227,6 +227,7 @@ class SplitSimulationRun:
                 "update_bytes": record.update_bytes,
                 "model_bytes_down": record.model_bytes_down,
                 "split_steps": record.split_steps,
+                "left_out": list(record.left_out),
             },
         )
 

@@ -98,6 +98,7 @@ class RoundRecord:
     update_bytes: int
     model_bytes_down: int
     split_steps: int
+    left_out: tuple[int, ...] = ()  # clients whose update this round was left out (NaN, no batch stepped)
 
 
 @dataclass

@@ -136,6 +136,7 @@ class SplitFedRun:
         durations: list[float] = []
         losses: list[tuple[float, float]] = []
         update_bytes = down_bytes = 0
+        left_out: list[int] = []
         before = {
             i: (link.tensor_bytes, link.dense_bytes, link.label_bytes) for i, link in self.links.items()
         }
@@ -148,6 +149,7 @@ class SplitFedRun:
                 check_delta(sent, {k: v.shape for k, v in delta.items()})
             except (CodecError, UpdateRejected) as err:  # NaN weights: the device's update reaches no one
                 log.warning("round %d: full client %d's update is left out: %s", round_, i, err)
+                left_out.append(i)
                 continue
             contributions.append((sent, float(len(self.data[i][1]))))
             losses.append((loss, len(self.data[i][1])))
@@ -168,6 +170,7 @@ class SplitFedRun:
             durations.extend(split["finish"])
             update_bytes += split["update_bytes"]
             down_bytes += split["down_bytes"]
+            left_out.extend(split["left_out"])
         self._apply(start, contributions)
         loss, accuracy = evaluate(self.model, self.test)
         if blown_up(loss, self.history.rounds[-1].loss if self.history.rounds else math.inf):
@@ -192,6 +195,7 @@ class SplitFedRun:
             update_bytes=update_bytes,
             model_bytes_down=down_bytes,
             split_steps=split["steps"] if split_ids else 0,
+            left_out=tuple(sorted(left_out)),
         )
         log.info("round %d: accuracy %.4f, %.1f simulated s", round_, accuracy, round_s)
         return record
@@ -292,6 +296,7 @@ class SplitFedRun:
         contributions: list[tuple[Delta, float]] = []
         update_bytes = 0
         up_s, down_s = [], []
+        left_out: list[int] = []
         last = ids[-1]
         for i in ids:
             n = float(len(self.data[i][1]))
@@ -305,6 +310,7 @@ class SplitFedRun:
             if not chains[i] and cfg.parallel:  # no step: its stages only pull the model back to the start
                 log.warning("round %d: split client %d stepped no batch; it is left out", round_, i)
                 up_s.append(0.0)
+                left_out.append(i)
                 continue
             sent, nbytes = self._upload(i, round_, local)
             contributions.append((sent, n))
@@ -327,6 +333,7 @@ class SplitFedRun:
             "update_bytes": update_bytes,
             "down_bytes": down_bytes,
             "steps": len(schedule),
+            "left_out": left_out,
         }
 
     def _split_step(

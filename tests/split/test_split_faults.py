@@ -115,3 +115,22 @@ def test_one_faulty_split_device_loses_only_its_own_batches(grid, mode, caplog):
         assert "activations of scale" in caplog.text
     assert "split client 1: no batch stepped this round; its front is left out" in caplog.text
     assert rounds[-1].accuracy > 0.2
+
+
+@pytest.mark.parametrize("bad", [0, 1], ids=["split-client", "full-client"])
+def test_simulate_split_leaves_out_a_device_of_nan_data_and_says_so(bad, tmp_path):
+    """NaN from one device crashed ``fedge simulate --split`` (a split client) or was averaged into the
+    model, which then sat at chance with exit 0 (a full client)."""
+    from typer.testing import CliRunner
+
+    from fedge.cli import app
+
+    task = f"{Path(__file__).with_name('faulty_task.py')}:FaultyDigits"
+    args = ["simulate", "--split", "--clients", "4", "--rounds", "2", "--task", task]
+    args += ["--task-arg", f"bad={bad}", "--task-arg", 'mode="nan"', "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rounds = json.loads((tmp_path / "metrics.json").read_text())["rounds"]
+    assert [r["left_out"] for r in rounds] == [[bad], [bad]]
+    assert (bad in rounds[0]["full_clients"]) is (bad == 1)  # the default fleet: partition 1 trains full
+    assert rounds[-1]["accuracy"] > 0.5
