@@ -72,6 +72,7 @@ class RemoteStage:
     device: str
     version: str
     timeout_s: float = 10.0
+    outputs: tuple[TensorSpec, ...] = ()  # the stage's outputs, as its manifest declares them
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -82,7 +83,30 @@ class RemoteStage:
             raise StageFailed(self.device, f"{type(err).__name__}: {err}", refused=True) from None
         if answer.version != self.version or not isinstance(answer.outputs, dict):
             raise StageFailed(self.device, f"answered with {answer.version!r}, expected {self.version!r}")
+        rows = len(next(iter(inputs.values()))) if inputs else None
+        problem = _misfit(answer.outputs, self.outputs, rows)
+        if problem:  # a device's answer is checked as any untrusted input: NaN, shapes, names
+            raise StageFailed(self.device, f"answered {problem}")
         return answer.outputs
+
+
+def _misfit(outputs: dict[str, np.ndarray], specs: tuple[TensorSpec, ...], rows: int | None) -> str:
+    """What is wrong with a stage's ``outputs`` against its declared ``specs`` for a batch of ``rows``, or ""
+    (NaN, infinity, other names, dtypes or shapes had been handed on as a result)."""
+    if specs and set(outputs) != {spec.name for spec in specs}:
+        return f"outputs {sorted(outputs)[:4]}, the stage's are {[spec.name for spec in specs][:4]}"
+    for spec in specs:
+        values = np.asarray(outputs[spec.name])
+        if values.dtype.kind != np.dtype(spec.dtype).kind:
+            return f"{spec.name} as {values.dtype}, the stage's is {spec.dtype}"
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            return f"NaN or infinity in {spec.name}"
+        expected = [rows if i == 0 else dim for i, dim in enumerate(spec.shape)]
+        if values.ndim != len(expected) or any(
+            isinstance(want, int) and want != got for want, got in zip(expected, values.shape, strict=True)
+        ):
+            return f"{spec.name} of shape {tuple(values.shape)}, the stage's is {tuple(expected)}"
+    return ""
 
 
 class MqttPipeline:
@@ -203,16 +227,20 @@ class MqttPipeline:
             raise RuntimeError(f"no placement of the model fits the devices left ({', '.join(names)})")
         artefacts, _ = export_stages(self.model, self.graph, result, self.out_dir)
         versions = {a.device: _stage_version(a) for a in artefacts}
+        manifests = {}
         for artefact in artefacts:
             data = (self.out_dir / artefact.path).read_bytes()
-            manifest = _stage_manifest(data, versions[artefact.device])
+            manifest = manifests[artefact.device] = _stage_manifest(data, versions[artefact.device])
             files = {"fp32": (data, manifest)}
             publish_model(
                 self.publisher, versions[artefact.device], files, artifact=stage_artifact(artefact.device)
             )
         self._wait_serving(versions)
         executors = [
-            RemoteStage(self.client, a.device, versions[a.device], self.timeout_s) for a in artefacts
+            RemoteStage(
+                self.client, a.device, versions[a.device], self.timeout_s, manifests[a.device].outputs
+            )
+            for a in artefacts
         ]
         self.runner = LocalRunner(executors, [a.inputs for a in artefacts], [a.crossing for a in artefacts])
         self.plan = result
@@ -275,7 +303,9 @@ def _stage_manifest(data: bytes, version: str) -> Manifest:
     def specs(values) -> tuple[TensorSpec, ...]:
         return tuple(
             TensorSpec(
-                v.name, tuple(d.dim_value or d.dim_param or None for d in v.type.tensor_type.shape.dim)
+                v.name,
+                tuple(d.dim_value or d.dim_param or None for d in v.type.tensor_type.shape.dim),
+                np.dtype(onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)).name,
             )
             for v in values
         )

@@ -4,6 +4,7 @@ identical to the local chain, and a stage agent killed mid-run whose stage is re
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,3 +150,35 @@ def test_partition_run_over_mqtt_from_the_command_line(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     assert summary.startswith("2 stages on ") and summary.endswith("max |chained - full| = 0"), summary
+
+
+@pytest.mark.parametrize(
+    ("outputs", "problem"),
+    [
+        ({"logits": np.full((4, 10), np.nan, np.float32)}, "NaN or infinity in logits"),
+        ({"logits": np.zeros((4, 9), np.float32)}, "logits of shape (4, 9), the stage's is (4, 10)"),
+        ({"logits": np.zeros((5, 10), np.float32)}, "logits of shape (5, 10), the stage's is (4, 10)"),
+        ({"logits": np.zeros((4, 10), np.int64)}, "logits as int64, the stage's is float32"),
+        ({"other": np.zeros((4, 10), np.float32)}, "outputs ['other'], the stage's are ['logits']"),
+    ],
+)
+def test_a_stage_answer_that_does_not_fit_its_outputs_fails_the_stage(outputs, problem):
+    """A device's NaN, wrong-shaped or wrong-typed answer came back from the pipeline as a result (and a bad
+    first stage was blamed on the honest next one; pipeline sweep)."""
+    from fedge.inference.manifest import TensorSpec
+    from fedge.inference.remote import Prediction
+    from fedge.partitioning.mqtt_runtime import RemoteStage
+
+    class Device:  # answers every request with ``answer``
+        def __init__(self, answer: dict[str, np.ndarray]) -> None:
+            self.answer = answer
+
+        def predict(self, device, inputs, timeout):
+            return Prediction(outputs=self.answer, version="v1")
+
+    spec = (TensorSpec("logits", ("batch", 10), "float32"),)
+    batch = {"x": np.zeros((4, 64), np.float32)}
+    with pytest.raises(StageFailed, match=rf"stage on dev-b: answered {re.escape(problem)}"):
+        RemoteStage(Device(outputs), "dev-b", "v1", 1.0, spec).run(batch)  # type: ignore[arg-type]
+    good = {"logits": np.ones((4, 10), np.float32)}
+    assert RemoteStage(Device(good), "dev-b", "v1", 1.0, spec).run(batch) is good  # type: ignore[arg-type]
