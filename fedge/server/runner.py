@@ -231,6 +231,8 @@ def run_rounds(
                 timeline=traffic.clock.get("timeline", []),
             )
             metrics.extra.update({k: v for k, v in traffic.clock.items() if k != "timeline"})
+            if traffic.failed:  # error replies (a client's exception, a refused instruction): said per round
+                metrics.extra["clients_failed"] = traffic.failed
             if rolled_back:  # the updates the strategy accepted were dropped with the aggregate
                 metrics.extra["rolled_back"] = 1
                 metrics.extra["rolled_back_updates"] = metrics.extra.get("accepted", 0)

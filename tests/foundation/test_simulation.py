@@ -390,6 +390,7 @@ def test_failed_replies_are_counted_and_the_run_completes(caplog):
     finally:
         grid.shutdown()
     assert [(r.clients_sampled, r.clients_replied) for r in history.rounds] == [(3, 2), (3, 2)]
+    assert [r.extra["clients_failed"] for r in history.rounds] == [1, 1]  # in metrics.json, every round
     # said once at WARNING (the same failure again at INFO), naming the client and its error
     warned = [r for r in caplog.records if "sampled clients failed" in r.getMessage()]
     assert [r.levelname for r in warned] == ["WARNING", "INFO"]
