@@ -531,3 +531,17 @@ def test_a_replica_stops_when_the_serve_process_that_started_it_is_killed(mqtt, 
         for pid in replicas:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_an_agent_that_takes_models_from_anyone_says_so(mqtt, tmp_path, caplog):
+    """Without instruction_key_files a device installs unsigned models from anyone; it had started silently
+    (inference sweep)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="fedge.inference.agent")
+    key = Ed25519PrivateKey.generate()
+    public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    with _agent(mqtt, tmp_path / "signed", instruction_keys=(public,)):
+        assert "no instruction_key_files" not in caplog.text
+    with _agent(mqtt, tmp_path / "open"):
+        assert "no instruction_key_files: this device installs and serves models from anyone" in caplog.text
