@@ -98,6 +98,7 @@ class MqttGrid(RunGrid):
             instruction_key = InstructionSigner.from_file(instruction_key)
         self._signer = instruction_key
         self._node_keys = dict(node_keys) if node_keys is not None else None
+        self._keyless_seen: set[str] = set()  # online nodes without a key, already warned about
         self._max_message_bytes = max_message_bytes
         self._audit = audit
         self._cond = threading.Condition()
@@ -140,7 +141,7 @@ class MqttGrid(RunGrid):
         """
         start = time.monotonic()
         best, last_progress = 0, None
-        while (online := len(self.endpoint.online_nodes())) < count:
+        while (online := len(self._eligible())) < count:
             now = time.monotonic()
             if online > best:
                 best, last_progress = online, now
@@ -157,14 +158,30 @@ class MqttGrid(RunGrid):
     # -- Grid ------------------------------------------------------------------------------------------
 
     def get_node_ids(self) -> Iterable[int]:
-        return sorted(flower_node_id(name) for name in self.endpoint.online_nodes())
+        return sorted(flower_node_id(name) for name in self._eligible())
+
+    def _eligible(self) -> set[str]:
+        """The online nodes this Grid may instruct: with ``node_keys``, only those it holds a key for. Any
+        client of an open broker can announce a node online; 2,000 invented ones were sampled, and every
+        round waited out its timeout for them (resource sweep). A node without a key could not sign a reply
+        this Grid would take anyway."""
+        online = self.endpoint.online_nodes()
+        if self._node_keys is None:
+            return online
+        keyless = online - self._node_keys.keys()
+        for name in sorted(keyless - self._keyless_seen)[:10]:  # said once per node, a few at a time
+            log.warning("node %s is online but has no key among node_keys: it is never instructed", name)
+        self._keyless_seen |= keyless
+        if len(self._keyless_seen) > 10_000:  # names from the network: a bounded memory of them
+            self._keyless_seen = set(keyless)
+        return online - keyless
 
     def node_name(self, node_id: int) -> str | None:
         """The wire name of an online node, from its Flower id."""
         return self._online_names().get(node_id)
 
     def _online_names(self) -> dict[int, str]:
-        return {flower_node_id(name): name for name in self.endpoint.online_nodes()}
+        return {flower_node_id(name): name for name in self._eligible()}
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids, encoder = [], MessageEncoder()

@@ -231,6 +231,22 @@ def test_signed_replies_are_checked_per_node(mqtt):
             bob.close()
 
 
+def test_with_node_keys_a_node_without_one_is_never_instructed(mqtt, caplog):
+    """On an open broker anyone can announce a node online: 2,000 invented ones were sampled and every round
+    waited out its timeout for them (resource sweep). With node keys only a node with a key counts."""
+    with MqttGrid(mqtt(), node_keys={"bob": b"k" * 32}) as grid:
+        bob, mallory = _node(mqtt, "bob"), _node(mqtt, "mallory")
+        try:
+            wait_until(lambda: grid.endpoint.online_nodes() == {"bob", "mallory"}, 20)
+            assert list(grid.get_node_ids()) == [flower_node_id("bob")]
+            assert not grid.wait_for_nodes(2, timeout=0.5)
+            assert "node mallory is online but has no key among node_keys" in caplog.text
+            assert grid.push_messages([_instruction(grid, "mallory")]) == []
+        finally:
+            bob.close()
+            mallory.close()
+
+
 def test_with_node_keys_a_profile_must_be_signed_too(mqtt):
     # a forged profile steers memory-aware sampling and upload budgets as a forged reply steers the model
     keys = {"bob": b"k" * 32}
