@@ -189,15 +189,16 @@ class ScreenedStrategy(Strategy):
         """The replies whose update norm and weight are within the screen's ratios of the round's medians."""
         norms, weights = [c.norm for _, c in passed], [c.weight for _, c in passed]
         accepted = []
+        self._accepted_norms = []
         rejections = outlier_rejections(
             norms, weights, self.screen, lambda: [model_norm(self._model, self._statistics)] * len(passed)
         )
-        for (reply, _), rejection in zip(passed, rejections, strict=True):
+        for (reply, checked), rejection in zip(passed, rejections, strict=True):
             if rejection is not None:
                 self._reject(server_round, reply, rejection, rejected)
                 continue
             accepted.append(reply)
-        self._accepted_norms = [c.norm for (reply, c), r in zip(passed, rejections, strict=True) if r is None]
+            self._accepted_norms.append(checked.norm)
         return accepted
 
     def rolled_back(self) -> None:

@@ -155,11 +155,7 @@ def _clock_cause(metrics: RoundMetrics) -> str:
 def _transport_cause(metrics: RoundMetrics) -> str:
     """What the MQTT transport dropped in the round (its ``transport_dropped_<reason>`` figures), or "": a
     round whose replies were dropped on arrival had been reported as one no client replied to."""
-    drops = {
-        key.removeprefix("transport_dropped_"): int(value)
-        for key, value in metrics.extra.items()
-        if key.startswith("transport_dropped_") and value
-    }
+    drops = _counts(metrics, "transport_dropped_")
     if not drops:
         return ""
     listed = ", ".join(f"{reason} {count}" for reason, count in sorted(drops.items(), key=lambda kv: -kv[1]))
@@ -168,17 +164,22 @@ def _transport_cause(metrics: RoundMetrics) -> str:
 
 def _rejections(metrics: RoundMetrics) -> str:
     """The round's rejected replies by reason ("rejected by screening: bad_weight x4"), or "" if none."""
-    counts = {
-        key.removeprefix("rejected_"): int(value)
-        for key, value in metrics.extra.items()
-        if key.startswith("rejected_") and value
-    }
+    counts = _counts(metrics, "rejected_")
     if not counts:
         return ""
     first = max(sorted(counts), key=counts.__getitem__)  # the commonest reason, explained
     meaning = f" ({first}: {REJECTION_MEANINGS[first]})" if first in REJECTION_MEANINGS else ""
     listed = ", ".join(f"{reason} x{n}" for reason, n in sorted(counts.items()))
     return f"rejected by screening: {listed}{meaning}"
+
+
+def _counts(metrics: RoundMetrics, prefix: str) -> dict[str, int]:
+    """The round's nonzero ``<prefix><reason>`` figures, by reason."""
+    return {
+        key.removeprefix(prefix): int(value)
+        for key, value in metrics.extra.items()
+        if key.startswith(prefix) and value
+    }
 
 
 def error_summary(text: str) -> str:

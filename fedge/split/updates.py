@@ -81,14 +81,8 @@ def decode_update(payload: bytes, shapes: dict[str, torch.Size]) -> Delta:
             sorted(decoded.keys() - shapes.keys())[:3],
         )
         raise UpdateRejected(f"update names other tensors: missing {missing}, unexpected {extra}")
-    out: Delta = {}
-    for name, array in decoded.items():
-        if tuple(array.shape) != tuple(shapes[name]):
-            raise UpdateRejected(f"tensor {name!r} has shape {array.shape}, expected {tuple(shapes[name])}")
-        if not np.isfinite(array).all():
-            raise UpdateRejected(f"tensor {name!r} holds non-finite values")
-        out[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-    return out
+    out = {name: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for name, a in decoded.items()}
+    return check_delta(out, shapes)
 
 
 def check_delta(delta: Delta, shapes: dict[str, torch.Size]) -> Delta:

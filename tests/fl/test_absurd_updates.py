@@ -25,17 +25,25 @@ NODES = 5
 ROUNDS = 3
 
 
-def _huge(msg: Message, context: Context, call_next) -> Message:
-    """Partition 0 replies 1e15 in every floating weight, every round (finite, and so is its norm)."""
-    reply = call_next(msg, context)
-    if reply.has_error() or msg.metadata.message_type != MessageType.TRAIN:
+def _replying(value: float):
+    """A mod: partition 0 replies ``value`` in every floating weight, every round (finite, and so is its
+    norm)."""
+
+    def mod(msg: Message, context: Context, call_next) -> Message:
+        reply = call_next(msg, context)
+        if reply.has_error() or msg.metadata.message_type != MessageType.TRAIN:
+            return reply
+        if context.node_config["partition-id"] != 0:
+            return reply
+        arrays, _ = record_to_arrays(reply.content["arrays"])
+        replaced = {n: np.full_like(v, value) if v.dtype.kind == "f" else v for n, v in arrays.items()}
+        reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in replaced.items()})
         return reply
-    if context.node_config["partition-id"] != 0:
-        return reply
-    arrays, _ = record_to_arrays(reply.content["arrays"])
-    huge = {n: np.full_like(v, 1e15) if v.dtype.kind == "f" else v for n, v in arrays.items()}
-    reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in huge.items()})
-    return reply
+
+    return mod
+
+
+_huge = _replying(1e15)
 
 
 @pytest.mark.parametrize("settings", [{}, {"codec": "topk:0.1+int8"}], ids=["dense", "compressed"])
@@ -78,18 +86,9 @@ def test_with_too_few_replies_for_a_median_an_absurd_update_is_measured_against_
     assert rounds[-1].accuracy > history.initial_accuracy + 0.1
 
 
-def _constant(msg: Message, context: Context, call_next) -> Message:
-    """Partition 0 replies 7.0 in every floating weight: about 1,000 times the round's median update,
-    under the loose bound of 10,000, and enough to blow the aggregate up."""
-    reply = call_next(msg, context)
-    if reply.has_error() or msg.metadata.message_type != MessageType.TRAIN:
-        return reply
-    if context.node_config["partition-id"] != 0:
-        return reply
-    arrays, _ = record_to_arrays(reply.content["arrays"])
-    constant = {n: np.full_like(v, 7.0) if v.dtype.kind == "f" else v for n, v in arrays.items()}
-    reply.content["arrays"] = ArrayRecord({name: Array(values) for name, values in constant.items()})
-    return reply
+# 7.0 in every weight: about 1,000 times the round's median update, under the loose bound of 10,000, and
+# enough to blow the aggregate up
+_constant = _replying(7.0)
 
 
 @pytest.mark.parametrize("settings", [{}, {"codec": "topk:0.1+int8"}], ids=["dense", "compressed"])
