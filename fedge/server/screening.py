@@ -305,7 +305,7 @@ def screen_dense_reply(
     if record.keys() != model.keys():
         missing, extra = sorted(model.keys() - record.keys())[:3], sorted(record.keys() - model.keys())[:3]
         raise Rejected("wrong_tensors", f"missing {missing}, unexpected {extra}")
-    squares, measured = 0.0, False
+    measured: list[tuple[np.ndarray, np.ndarray]] = []  # the update's tensors and the model's, to measure
     for name, array in record.items():
         try:
             values = array_to_numpy(array)
@@ -325,22 +325,29 @@ def screen_dense_reply(
         if check_finite and values.dtype.kind == "f" and not np.isfinite(values).all():
             raise Rejected("non_finite", f"tensor {name!r} holds NaN or infinity")
         if measure_norm and values.dtype.kind == "f" and name not in statistics:
-            squares += _squared_step(values, reference)
-            measured |= values.size > 0
-    norm = math.sqrt(squares)
+            measured.append((values, reference))
+    norm = math.sqrt(_squared_step(measured))
     if not math.isfinite(norm):
         raise Rejected("non_finite", "the update's norm overflows")
-    _check_changed(norm, measured)
+    _check_changed(norm, any(values.size for values, _ in measured))
     return DenseReply(key, weight, norm)
 
 
-def _squared_step(values: np.ndarray, reference: np.ndarray) -> float:
-    """``‖values − reference‖²`` in float32, or float64 where either tensor is: several times cheaper than
-    float64 for a float32 model, and close enough for a ratio test. An update too large for float32 (a norm
-    over 1e19) comes out infinite and is rejected as ``non_finite``, as a compressed reply's is."""
-    dtype = np.result_type(values.dtype, reference.dtype, np.float32)
+def _squared_step(pairs: list[tuple[np.ndarray, np.ndarray]]) -> float:
+    """``‖values − reference‖²`` over every ``(values, reference)`` pair, in float32, or float64 where any
+    tensor is: several times cheaper than float64 for a float32 model, and close enough for a ratio test. An
+    update too large for float32 (a norm over 1e19) comes out infinite and is rejected as ``non_finite``, as
+    a compressed reply's is. The differences go into one vector and are summed at once: per tensor, numpy's
+    calls cost more than the arithmetic of a small model's (7.1 ms against 2.8 ms for a round of 50 digits-CNN
+    replies)."""
+    if not pairs:
+        return 0.0
+    dtype = np.result_type(*(a.dtype for pair in pairs for a in pair), np.float32)
+    step, start = np.empty(sum(values.size for values, _ in pairs), dtype), 0
     with np.errstate(over="ignore", invalid="ignore"):
-        step = values.reshape(-1).astype(dtype, copy=False) - reference.reshape(-1).astype(dtype, copy=False)
+        for values, reference in pairs:
+            np.subtract(values.reshape(-1), reference.reshape(-1), out=step[start : start + values.size])
+            start += values.size
         return _dot(step, step)
 
 

@@ -207,6 +207,41 @@ def test_update_norms_are_taken_without_blas(monkeypatch):
     assert residual_norm({"w": np.full(4, 2.0, np.float32)}) == pytest.approx(4.0)
 
 
+def test_an_update_norm_spans_tensors_of_every_float_dtype_and_leaves_statistics_out():
+    """The norm is taken over all of a reply's measured tensors at once (one vector, in the widest of their
+    dtypes): half, single and double precision tensors each count, a statistic does not, and an update too
+    large for float32 is refused as non-finite."""
+    from fedge.server.screening import Rejected, screen_dense_reply
+
+    model = {
+        "half": np.zeros(3, np.float16),
+        "single": np.ones((2, 2), np.float32),
+        "double": np.zeros(2, np.float64),
+        "running_var": np.ones(4, np.float32),
+    }
+    sent = {"half": np.full(3, 2, np.float16), "single": np.full((2, 2), 3, np.float32)}
+    sent |= {"double": np.array([1e-3, 0.0]), "running_var": np.full(4, 1e6, np.float32)}
+
+    def reply(values):
+        return RecordDict(
+            {
+                "arrays": ArrayRecord({n: Array(v) for n, v in values.items()}),
+                "metrics": MetricRecord({"num-examples": 4.0}),
+            }
+        )
+
+    checked = screen_dense_reply(
+        reply(sent), model=model, weighted_by_key="num-examples", statistics=frozenset({"running_var"})
+    )
+    assert checked.norm == pytest.approx(math.sqrt(3 * 4 + 4 * 4 + 1e-6), rel=1e-12)
+    huge = sent | {"single": np.full((2, 2), 3e38, np.float32), "double": np.zeros(2, np.float32)}
+    with pytest.raises(Rejected) as rejected:
+        screen_dense_reply(
+            reply(huge), model=model | {"double": np.zeros(2, np.float32)}, weighted_by_key="num-examples"
+        )
+    assert rejected.value.reason == "non_finite"
+
+
 @pytest.mark.parametrize("nodes", [2, 5])
 def test_a_weight_no_count_of_examples_could_be_is_rejected_before_the_sum_overflows(nodes):
     """Every node claiming 1e308 examples passed each test (finite, positive, no outlier among equals) and
