@@ -42,6 +42,7 @@ import numpy as np
 
 from fedge.compression.codec import Codec
 from fedge.compression.errors import CodecConfigError
+from fedge.compression.statistics import is_statistic
 from fedge.compression.wire import DEFAULT_MAX_ELEMENTS, decode, decode_add, inspect_payload
 
 __all__ = ["ErrorFeedback"]
@@ -184,6 +185,12 @@ class ErrorFeedback:
     ) -> None:
         """Take back a payload that never counted: add what it carries to the residuals in ``state``.
 
+        Statistics (:func:`fedge.compression.statistics.is_statistic`: BatchNorm's running estimates,
+        integer counters) are not taken back: their deltas hold only against the model they were taken
+        from, and the next update carries fresh ones. Folded back, a lost ``running_var`` delta was added
+        again to a model that had already moved: a client back after missing rounds pushed the variance
+        below zero and the aggregate computed NaN.
+
         Parameters
         ----------
         payload : bytes
@@ -201,7 +208,11 @@ class ErrorFeedback:
         """
         info = inspect_payload(payload, max_elements=max_elements)
         residuals: dict[str, np.ndarray] = {}
+        dropped: dict[str, np.ndarray] = {}  # statistics: decoded (decode_add wants every tensor) and let go
         for tensor in info.tensors:
+            if is_statistic(tensor.name, tensor.dtype):
+                dropped[tensor.name] = np.zeros(tensor.shape, dtype=np.float32)
+                continue
             stored = state.get(RESIDUAL_PREFIX + tensor.name)
             if stored is not None and stored.shape != tensor.shape:
                 logger.warning(
@@ -216,7 +227,7 @@ class ErrorFeedback:
                 if stored is None
                 else np.array(stored, dtype=np.float32, order="C", copy=True)  # decode_add writes in place
             )
-        decode_add(payload, residuals, 1.0, max_elements=max_elements)
+        decode_add(payload, residuals | dropped, 1.0, max_elements=max_elements)
         state.update({RESIDUAL_PREFIX + name: residual for name, residual in residuals.items()})
 
     @staticmethod

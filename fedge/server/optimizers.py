@@ -22,28 +22,17 @@ the round runner drops that step's round.
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from fedge.compression.statistics import STATISTICS_PATTERNS, statistics
+
 __all__ = ["OPTIMIZERS", "STATISTICS_PATTERNS", "ServerOptimizer", "statistics"]
 
 OPTIMIZERS = ("avg", "avgm", "adam")
-STATISTICS_PATTERNS = ("*running_mean*", "*running_var*", "*num_batches*")
-"""Names of buffers that hold statistics (PyTorch's BatchNorm naming), matched case-insensitively."""
-
-
-def statistics(dtypes: Mapping[str, str]) -> frozenset[str]:
-    """The tensors of a model (by name, with their dtypes) that are statistics, not parameters."""
-    return frozenset(
-        name
-        for name, dtype in dtypes.items()
-        if np.dtype(dtype).kind in "iub"
-        or any(fnmatch.fnmatchcase(name.lower(), pattern) for pattern in STATISTICS_PATTERNS)
-    )
 
 
 @dataclass

@@ -76,6 +76,30 @@ def test_restoring_a_payload_makes_the_round_as_if_nothing_was_sent():
         np.testing.assert_array_equal(ErrorFeedback.residual(fresh)[name], values)
 
 
+def test_a_payload_taken_back_leaves_statistics_out():
+    """A statistic's delta holds only against the model it was taken from: taken back into the residual, a
+    lost running_var delta was added again to a model that had moved (a NaN BatchNorm model). Parameters
+    are taken back, statistics and integer counters keep the residual they had."""
+    model = MODEL | {"bn.running_var": np.ones(6, np.float32), "bn.num_batches_tracked": np.array(3)}
+    feedback = ErrorFeedback(build_codec(CODEC))
+    state: dict[str, np.ndarray] = {}
+    feedback.encode({k: np.full(v.shape, 0.5, np.float32) for k, v in model.items()}, state)
+    before = {k: v.copy() for k, v in ErrorFeedback.residual(state).items()}
+    update = {k: RNG.normal(size=v.shape).astype(np.float32) for k, v in MODEL.items()}
+    update |= {"bn.running_var": np.full(6, -0.9, np.float32), "bn.num_batches_tracked": np.array(40)}
+    payload = feedback.encode(update, state, dtypes={"bn.num_batches_tracked": "int64"})
+    after_encode = {k: v.copy() for k, v in ErrorFeedback.residual(state).items()}
+    ErrorFeedback.restore(payload, state)
+    residual = ErrorFeedback.residual(state)
+    for name in MODEL:
+        np.testing.assert_allclose(residual[name], before[name] + update[name], atol=1e-6)
+    for name in ("bn.running_var", "bn.num_batches_tracked"):
+        if name in after_encode:
+            np.testing.assert_array_equal(residual[name], after_encode[name])
+        else:
+            assert name not in residual
+
+
 # --- the client --------------------------------------------------------------------------------------------
 
 

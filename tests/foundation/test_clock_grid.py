@@ -181,3 +181,37 @@ def test_an_availability_path_that_is_missing_says_so(tmp_path):
         availability_trace(str(tmp_path / "missing.pkl"), 3, seed=0)
     with pytest.raises(ConfigError, match=r"\(the path is a directory\)"):
         availability_trace(str(tmp_path), 3, seed=0)
+
+
+def test_a_batchnorm_model_survives_clients_back_after_missing_rounds_with_a_codec(tmp_path):
+    """Clients cut off in round 1 and away in rounds 2-3 come back in round 4 with their lost update folded
+    back into the residual. Its BatchNorm statistics had come back too: a running_var delta taken against
+    the untrained model, added to one that had moved, pushed the variance below zero; the aggregate was NaN,
+    rolled back, and the run failed (fleet sweep). Statistics are not folded back."""
+    import pickle
+
+    # client k is there for [0, 1 + 0.8k) s, then from 30 s: on NB-IoT most are cut off in round 1
+    trace = {
+        k: {
+            "duration": 100.0,
+            "active": [0.0, 30.0],
+            "inactive": [1.0 + 0.8 * k, 100.0],
+            "finish_time": 100.0,
+        }
+        for k in range(10)
+    }
+    (tmp_path / "trace.pkl").write_bytes(pickle.dumps(trace))
+    task = f"{os.path.dirname(__file__)}/token_batchnorm_task.py:TokenBatchNormTask"
+    app = AppConfig(rounds=4, local_epochs=2, task=task, codec="topk:0.1+int8")
+    config = SimulationConfig(
+        clients=10,
+        workers=1,
+        app=app,
+        fleet=FleetConfig(mix={"nbiot_gateway": 1.0}, seed=1),
+        availability=str(tmp_path / "trace.pkl"),
+    )
+    history = run_simulation(config)
+    back = history.rounds[-1]
+    assert [r.clients_replied for r in history.rounds[1:3]] == [0, 0]  # everyone away
+    assert back.clients_replied >= 8 and "rolled_back" not in back.extra
+    assert back.extra["accepted"] == back.clients_replied and back.accuracy > history.rounds[0].accuracy
