@@ -58,7 +58,9 @@ class Schedule:
         Offer only clients whose memory holds training (``training_memory_bytes``); the others are
         candidates for split training, never sampled for full training.
     training_memory_bytes : float (default: 0.0)
-        What training the model needs on a device, bytes (see ``fedge.devices.budget``).
+        What training the model needs on a device, bytes (see ``fedge.devices.budget``), compared with a
+        device's memory as it is: unlike ``can_train``, nothing is kept back, so a margin (``can_train``
+        keeps 10 %) belongs in this figure.
     """
 
     deadline_s: float | None = None
