@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import tomllib
 import types
 import typing
@@ -16,9 +17,27 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
-__all__ = ["ConfigError", "check_types", "from_table", "read_secret", "read_toml"]
+__all__ = ["ConfigError", "check_types", "from_table", "read_secret", "read_toml", "shown"]
 
 T = TypeVar("T")
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 2, 4, 4
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut short for an error message: a value read from a file or the network may be a 20 MB
+    string, a list nested 200,000 deep or an integer of thousands of digits."""
+    try:
+        return _SHOWN.repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return (
+            f"an integer of about {value.bit_length() * 0.30103:.0f} digits"
+            if isinstance(value, int)
+            else "?"
+        )
 
 
 class ConfigError(ValueError):
@@ -64,7 +83,7 @@ def from_table(cls: type[T], table: Mapping[str, Any], *, where: str = "") -> T:
         own checks refuse; the message names the dotted key.
     """
     if not isinstance(table, Mapping):
-        raise ConfigError(f"{where or 'config'} must be a table, got {table!r}")
+        raise ConfigError(f"{where or 'config'} must be a table, got {shown(table)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
@@ -123,35 +142,39 @@ def _coerce(kind: Any, value: Any, dotted: str) -> Any:
                 return _coerce(option, value, dotted)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{dotted} has the wrong type: {value!r}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{dotted} has the wrong type: {shown(value)}")
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{dotted} must be one of {', '.join(map(repr, args))}, got {value!r}")
+            raise ConfigError(f"{dotted} must be one of {', '.join(map(repr, args))}, got {shown(value)}")
         return value
     if dataclasses.is_dataclass(kind):
         return value if isinstance(value, kind) else from_table(kind, value, where=dotted)
     if origin in (dict, Mapping) or kind is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{dotted} must be a table, got {value!r}")
+            raise ConfigError(f"{dotted} must be a table, got {shown(value)}")
         return dict(value)
     if origin in (tuple, list):
         item = args[0] if args else Any
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{dotted} must be a list, got {value!r}")
+            raise ConfigError(f"{dotted} must be a list, got {shown(value)}")
         items = [_coerce(item, v, f"{dotted}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if kind is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            if math.isnan(value):  # compares false with everything: a wait "until > nan" never ends
+            try:
+                number = float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                raise ConfigError(f"{dotted} is too large a number, got {shown(value)}") from None
+            if math.isnan(number):  # compares false with everything: a wait "until > nan" never ends
                 raise ConfigError(f"{dotted} must be a number, got nan")
-            return float(value)
+            return number
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif isinstance(kind, type) and isinstance(value, kind):
         return value
     name = getattr(kind, "__name__", str(kind))
-    raise ConfigError(f"{dotted} must be {name}, got {value!r}")
+    raise ConfigError(f"{dotted} must be {name}, got {shown(value)}")
 
 
 def make_state_dir(path: str | Path, what: str = "the state directory") -> Path:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fedge.config import ConfigError, check_types, from_table
+from fedge.config import ConfigError, check_types, from_table, shown
 from fedge.devices.profile import DeviceProfile
 
 __all__ = [
@@ -178,6 +178,7 @@ class ClientProfile:
 
 
 MAX_LINK_SECONDS = 1e6  # a link's latency or reconnect time, at most (11.6 days): sums stay finite
+_FLOAT_MAX = float(np.finfo(np.float64).max)  # a share beyond it (a 400-digit integer) does not convert
 _MAX_DISCONNECT_RATE = 1000.0  # per second or per MB: a link that drops a thousand times a second is down
 
 MiB = 2**20
@@ -247,8 +248,8 @@ class FleetConfig:
         for name, share in self.mix.items():
             if name not in known:
                 raise ConfigError(f"mix.{name} is not a known class; known: {', '.join(sorted(known))}")
-            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < math.inf:
-                raise ConfigError(f"mix.{name} must be a finite number >= 0, got {share!r}")
+            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < _FLOAT_MAX:
+                raise ConfigError(f"mix.{name} must be a finite number >= 0, got {shown(share)}")
             mix[name] = float(share)
         if not 0 < sum(mix.values()) < math.inf:
             raise ConfigError("mix shares must not all be 0, nor sum beyond a float")

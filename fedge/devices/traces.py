@@ -23,11 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fedge.config import ConfigError
+from fedge.config import ConfigError, shown
 from fedge.devices.fleet import ClientProfile
 
 __all__ = [
     "MAX_TRACE_BYTES",
+    "MAX_TRACE_INTERVALS",
     "AvailabilityTrace",
     "Capacity",
     "RestrictedUnpickler",
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 MAX_TRACE_BYTES = 1 << 30
 """Trace files larger than this (bytes) are refused before they are read."""
+MAX_TRACE_INTERVALS = 10_000_000
+"""Availability intervals a trace may hold, all clients together (about 2 GB while read). A pickle stores an
+object once however often it is referred to: a 460 kB file whose 20,000 clients all named one list of 20,000
+intervals stood for 400 million of them (tens of GB); each use counts."""
 
 
 class TraceError(ConfigError):
@@ -95,9 +100,14 @@ def _read(path: str | Path, max_bytes: int) -> object:
 
 
 def _number(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TraceError(f"{what} must be a finite number, got {value!r}")
-    return float(value)
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        try:
+            number = float(value)  # an int beyond float's range overflows here
+        except OverflowError:
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise TraceError(f"{what} must be a finite number, got {shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -142,14 +152,14 @@ def read_capacity(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> dict
     out = {}
     for client, entry in table.items():
         if not isinstance(entry, dict):
-            raise TraceError(f"{path}: client {client!r} must map to a dict")
+            raise TraceError(f"{path}: client {shown(client)} must map to a dict")
         try:
-            comp = _number(entry["computation"], f"client {client!r} computation")
-            comm = _number(entry["communication"], f"client {client!r} communication")
+            comp = _number(entry["computation"], f"client {shown(client)} computation")
+            comm = _number(entry["communication"], f"client {shown(client)} communication")
         except KeyError as err:
-            raise TraceError(f"{path}: client {client!r} lacks {err}") from None
+            raise TraceError(f"{path}: client {shown(client)} lacks {err}") from None
         if comp <= 0 or comm <= 0:
-            raise TraceError(f"{path}: client {client!r} has a non-positive speed")
+            raise TraceError(f"{path}: client {shown(client)} has a non-positive speed")
         out[client] = Capacity(comp, comm)
     return out
 
@@ -166,41 +176,52 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
         raise TraceError(f"{path}: availability trace must be a dict, got {type(table).__name__}")
     if not table:
         raise TraceError(f"{path}: availability trace has no clients")
-    intervals, periods, past = {}, {}, []
+    intervals, periods, past, total = {}, {}, [], 0
     for client, entry in table.items():
         if not isinstance(entry, dict):
-            raise TraceError(f"{path}: client {client!r} must map to a dict")
+            raise TraceError(f"{path}: client {shown(client)} must map to a dict")
         active, inactive = entry.get("active"), entry.get("inactive")
         if not isinstance(active, list) or not isinstance(inactive, list) or len(active) != len(inactive):
-            raise TraceError(f"{path}: client {client!r} needs 'active' and 'inactive' lists of equal length")
-        starts = [_number(v, f"{path}: client {client!r} active") for v in active]
-        ends = [_number(v, f"{path}: client {client!r} inactive") for v in inactive]
+            raise TraceError(
+                f"{path}: client {shown(client)} needs 'active' and 'inactive' lists of equal length"
+            )
+        total += len(active)
+        if total > MAX_TRACE_INTERVALS:
+            raise TraceError(
+                f"{path}: the trace holds more than {MAX_TRACE_INTERVALS:,} availability intervals (its "
+                "clients' together, an entry counted for every client that names it)"
+            )
+        named = f"{path}: client {shown(client)}"
+        starts_named, ends_named = f"{named} active", f"{named} inactive"
+        starts = [_number(v, starts_named) for v in active]
+        ends = [_number(v, ends_named) for v in inactive]
         for start, end in zip(starts, ends, strict=True):  # a reversed or empty interval is a broken trace
             if not 0 <= start < end:
                 raise TraceError(
-                    f"{path}: client {client!r} has the interval [{start:g}, {end:g}): "
+                    f"{path}: client {shown(client)} has the interval [{start:g}, {end:g}): "
                     "want 0 <= active < inactive"
                 )
         period = _number(
-            entry.get("finish_time") or entry.get("duration") or 0, f"{path}: client {client!r} finish_time"
+            entry.get("finish_time") or entry.get("duration") or 0,
+            f"{path}: client {shown(client)} finish_time",
         )
         if period < 0:
-            raise TraceError(f"{path}: client {client!r} has a negative finish_time or duration")
+            raise TraceError(f"{path}: client {shown(client)} has a negative finish_time or duration")
         if period == 0:
             period = max(ends, default=0.0)
         if period <= 0:
-            raise TraceError(f"{path}: client {client!r} has no positive finish_time or duration")
+            raise TraceError(f"{path}: client {shown(client)} has no positive finish_time or duration")
         if starts and min(starts) >= period:  # the trace loops before any of them: the client never comes
             past.append(client)
         intervals[client], periods[client] = list(zip(starts, ends, strict=True)), period
     if past:
         log.warning(
-            "%s: %d of %d clients (first %r) are available only after their finish_time, where the trace "
+            "%s: %d of %d clients (first %s) are available only after their finish_time, where the trace "
             "loops: they are never available",
             path,
             len(past),
             len(table),
-            past[0],
+            shown(past[0]),
         )
     return AvailabilityTrace(intervals, periods)
 
@@ -258,7 +279,7 @@ class AvailabilityTrace:
         try:
             return np.array([self._index[client]])
         except KeyError:
-            raise KeyError(f"client {client!r} is not in the trace") from None
+            raise KeyError(f"client {shown(client)} is not in the trace") from None
 
     def _locate(self, rows: np.ndarray, t_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per row: loop base (s), position on the line, last interval starting <= it, available."""

@@ -131,8 +131,15 @@ class ClockGrid(RunGrid):
         )
         if self._absent and len(self._absent) == len(self._client_of):
             raise ConfigError(
-                "availability: the trace has no client ever available (no interval before a client's "
+                f"availability: none of the run's {len(self._client_of)} clients is ever available (the "
+                "trace clients drawn for them, by the run's seed, have no interval before their "
                 "finish_time, where the trace loops)"
+            )
+        if self._absent:  # never offered, as memory-aware sampling's unfit: said once
+            log.warning(
+                "availability: %d of the run's %d clients are never available in the trace and never train",
+                len(self._absent),
+                len(self._client_of),
             )
         # Memory-aware sampling never offers these: say so once, and in every round's figures (a schedule
         # that is fast because it leaves a device class out must show it; the fleet table had no row).

@@ -103,6 +103,10 @@ class SimulationConfig:
                 raise ConfigError(
                     "a [schedule] needs a [fleet] on the local and ray engines (simulated time)"
                 )
+            if self.app.upload_budget:  # every client's link would be unknown: each sent the plain codec
+                raise ConfigError(
+                    "an [upload_budget] needs a [fleet] on the local and ray engines (the clients' links)"
+                )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> SimulationConfig:

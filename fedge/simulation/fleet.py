@@ -55,7 +55,14 @@ def availability_trace(spec: str, clients: int, seed: int) -> AvailabilityTrace 
     if spec == "diurnal":
         return diurnal_trace(clients, seed=seed)
     if not Path(spec).is_file():
-        state = "is a directory" if Path(spec).is_dir() else "does not exist"
+        path = Path(spec)
+        state = (
+            "is a directory"
+            if path.is_dir()
+            else "is not a regular file"
+            if path.exists()
+            else "does not exist"
+        )
         raise ConfigError(
             f"availability {spec!r} is neither 'random', 'diurnal' nor a trace file (the path {state})"
         )

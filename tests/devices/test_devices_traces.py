@@ -122,6 +122,57 @@ def test_bad_availability_traces(tmp_path):
         read_availability(path)  # it named no file, unlike every other error here
 
 
+def test_one_entry_named_by_every_client_counts_for_each_against_the_interval_cap(tmp_path, monkeypatch):
+    """A pickle stores a shared object once: a 460 kB file whose 20,000 clients named one list of 20,000
+    intervals stood for 400 million, and reading it ran out of memory (fleet-input sweep). The cap counts
+    every use; the refusal comes before the intervals are built."""
+    import fedge.devices.traces as traces
+
+    monkeypatch.setattr(traces, "MAX_TRACE_INTERVALS", 1_000)
+    shared = {"active": list(range(0, 200, 2)), "inactive": list(range(1, 201, 2)), "finish_time": 300}
+    path = write(tmp_path, dict.fromkeys(range(50), shared))  # 50 x 100 intervals in a file of a few kB
+    assert path.stat().st_size < 5_000
+    with pytest.raises(TraceError, match="more than 1,000 availability intervals"):
+        read_availability(path)
+    assert len(read_availability(write(tmp_path, dict.fromkeys(range(10), shared))).clients) == 10
+
+
+def test_untrusted_values_are_named_in_a_short_line(tmp_path):
+    """An integer too large for a float, a list nested deeper than Python recurses, a 20 MB string: each is
+    refused in one short line, as any other bad value (they had raised OverflowError and RecursionError,
+    or echoed the whole string)."""
+    for value in (10**400, _NestedList(100_000), "A" * 20_000_000):
+        path = tmp_path / "trace.pkl"
+        path.write_bytes(_pickled_entry(value))
+        with pytest.raises(TraceError, match="client 0 active must be a finite number") as refused:
+            read_availability(path)
+        assert len(str(refused.value)) < 300 + len(str(path)) and "\n" not in str(refused.value)
+    with pytest.raises(TraceError, match="computation must be a finite number"):
+        read_capacity(write(tmp_path, {"A" * 10_000: {"computation": 10**400, "communication": 1.0}}))
+
+
+class _NestedList:
+    """A list nested ``depth`` deep, as a pickle holds it (pickle itself recurses to write one)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+
+def _pickled_entry(active_value: object) -> bytes:
+    """A trace pickle ``{0: {"inactive": [5.0], "finish_time": 10.0, "active": [active_value]}}``, written
+    opcode by opcode, so that a value pickle cannot write (a list nested past Python's recursion) fits."""
+
+    def body(obj: object) -> bytes:  # the opcodes that push ``obj`` (protocol 2, no PROTO, no STOP)
+        return pickle.dumps(obj, protocol=2)[2:-1]
+
+    if isinstance(active_value, _NestedList):  # EMPTY_LIST n times, then APPEND each into the one below
+        value = b"]" * active_value.depth + b"a" * (active_value.depth - 1)
+    else:
+        value = body(active_value)
+    entry = body({"inactive": [5.0], "finish_time": 10.0}) + body("active") + b"]" + value + b"as"
+    return b"\x80\x02}" + body(0) + entry + b"s."
+
+
 def test_intervals_after_the_loops_end_are_said_to_leave_a_client_never_available(tmp_path, caplog):
     trace = {1: {"active": [5000], "inactive": [5100], "finish_time": 100}, 2: TRACE[next(iter(TRACE))]}
     with caplog.at_level("WARNING", logger="fedge"):

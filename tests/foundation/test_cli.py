@@ -90,6 +90,18 @@ def test_the_config_files_out_dir_is_where_the_run_writes_unless_out_is_given(tm
             'strategy = "fedbuff"\n[fleet]\nmix = { pi4_wifi = 1.0 }\n[schedule]\ndeadline_s = 2.0\n',
             "a deadline or over_select does not apply to strategy fedbuff",
         ),
+        # a 401-digit integer had raised OverflowError in the config's coercion, or the fleet's mix
+        ([], "learning_rate = 1" + "0" * 400 + "\n", "learning_rate is too large a number"),
+        (
+            [],
+            "[fleet]\nmix = { pi4_wifi = 1" + "0" * 400 + " }\n",
+            "mix.pi4_wifi must be a finite number >= 0, got 1000",
+        ),
+        (
+            [],
+            'codec = "topk:0.1+int8"\n[upload_budget]\ndeadline_s = 30.0\n',
+            "an [upload_budget] needs a [fleet] on the local and ray engines",
+        ),
         (["--split", "--engine", "mqtt"], None, "engine 'mqtt' does not run split training"),
         (["--split", "--workers", "3"], None, "workers does not apply to --split"),
     ],
@@ -102,7 +114,7 @@ def test_bad_input_is_one_line(tmp_path, args, toml, needle):
     result = runner.invoke(app, ["simulate", *args])
     assert result.exit_code == 2
     assert result.output.strip().startswith("error:") and needle in result.output
-    assert len(result.output.strip().splitlines()) == 1
+    assert len(result.output.strip().splitlines()) == 1 and len(result.output) < 1000
 
 
 def test_missing_config_file_and_unknown_bench(tmp_path):

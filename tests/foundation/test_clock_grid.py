@@ -72,7 +72,9 @@ def test_an_availability_trace_with_nobody_ever_available_is_refused_before_the_
     empty = {"duration": 100.0, "active": [], "inactive": [], "finish_time": 100.0}
     trace.write_bytes(pickle.dumps({i: dict(empty) for i in range(8)}))
     for schedule in (Schedule(availability_aware=True), Schedule()):
-        with pytest.raises(ConfigError, match="availability: the trace has no client ever available"):
+        with pytest.raises(
+            ConfigError, match=r"availability: none of the run.s [0-9]* clients is ever available"
+        ):
             _run(schedule, availability=str(trace), rounds=1)
 
 
@@ -181,6 +183,33 @@ def test_an_availability_path_that_is_missing_says_so(tmp_path):
         availability_trace(str(tmp_path / "missing.pkl"), 3, seed=0)
     with pytest.raises(ConfigError, match=r"\(the path is a directory\)"):
         availability_trace(str(tmp_path), 3, seed=0)
+    with pytest.raises(ConfigError, match=r"\(the path is not a regular file\)"):
+        availability_trace("/dev/null", 3, seed=0)
+
+
+def test_run_clients_the_trace_never_makes_available_are_named_in_a_warning(tmp_path, caplog):
+    """One trace client of twenty is ever there: a run of eight whose draw misses it is refused, naming the
+    run's clients (it said the trace had none); one whose draw takes it trains on it, and says how many
+    never will (it had said nothing)."""
+    import pickle
+
+    from fedge.config import ConfigError
+
+    never = {"duration": 100.0, "active": [], "inactive": [], "finish_time": 100.0}
+    trace = {i: dict(never) for i in range(19)} | {
+        19: {"active": [0.0], "inactive": [100.0], "finish_time": 100.0}
+    }
+    (tmp_path / "one.pkl").write_bytes(pickle.dumps(trace))
+    outcomes = {}
+    for seed in range(6):
+        try:
+            _run(Schedule(), availability=str(tmp_path / "one.pkl"), rounds=1, seed=seed)
+            outcomes[seed] = "ran"
+        except ConfigError as err:
+            assert "none of the run's 8 clients is ever available" in str(err)
+            outcomes[seed] = "refused"
+    assert set(outcomes.values()) == {"ran", "refused"}
+    assert "availability: 7 of the run's 8 clients are never available in the trace" in caplog.text
 
 
 def test_a_batchnorm_model_survives_clients_back_after_missing_rounds_with_a_codec(tmp_path):
