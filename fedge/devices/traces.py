@@ -176,7 +176,16 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
         raise TraceError(f"{path}: availability trace must be a dict, got {type(table).__name__}")
     if not table:
         raise TraceError(f"{path}: availability trace has no clients")
-    intervals, periods, past, total = {}, {}, [], 0
+    # counted before any is built: a shared entry's intervals are cheap to count, dear to build
+    total = sum(
+        len(e["active"]) for e in table.values() if isinstance(e, dict) and isinstance(e.get("active"), list)
+    )
+    if total > MAX_TRACE_INTERVALS:
+        raise TraceError(
+            f"{path}: the trace holds {total:,} availability intervals, more than {MAX_TRACE_INTERVALS:,} "
+            "(its clients' together, an entry counted for every client that names it)"
+        )
+    intervals, periods, past = {}, {}, []
     for client, entry in table.items():
         if not isinstance(entry, dict):
             raise TraceError(f"{path}: client {shown(client)} must map to a dict")
@@ -184,12 +193,6 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
         if not isinstance(active, list) or not isinstance(inactive, list) or len(active) != len(inactive):
             raise TraceError(
                 f"{path}: client {shown(client)} needs 'active' and 'inactive' lists of equal length"
-            )
-        total += len(active)
-        if total > MAX_TRACE_INTERVALS:
-            raise TraceError(
-                f"{path}: the trace holds more than {MAX_TRACE_INTERVALS:,} availability intervals (its "
-                "clients' together, an entry counted for every client that names it)"
             )
         named = f"{path}: client {shown(client)}"
         starts_named, ends_named = f"{named} active", f"{named} inactive"
