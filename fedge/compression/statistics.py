@@ -5,6 +5,9 @@ step. A statistic is an estimate the forward pass overwrites: its delta is a new
 model held, meaningful only against that model. Added to a later model (a lost update folded back into the
 residual, a stale FedBuff update), it moves the estimate twice: a BatchNorm ``running_var`` that training
 lowers from 1.0 goes below zero, and the model computes NaN.
+
+Statistics are told by name (PyTorch's BatchNorm naming) and by integer dtype: a model that keeps a running
+estimate under another name (``ema_mean``, say) has it treated as a parameter.
 """
 
 from __future__ import annotations
