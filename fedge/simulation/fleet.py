@@ -54,14 +54,14 @@ def availability_trace(spec: str, clients: int, seed: int) -> AvailabilityTrace 
         return random_trace(clients, mean_on_s=_MEAN_ON_S, mean_off_s=_MEAN_OFF_S, seed=seed)
     if spec == "diurnal":
         return diurnal_trace(clients, seed=seed)
-    if not Path(spec).is_file():
-        path = Path(spec)
+    path = Path(spec)
+    if not path.is_file():
         state = (
-            "is a directory"
+            "does not exist"
+            if not path.exists()
+            else "is a directory"
             if path.is_dir()
             else "is not a regular file"
-            if path.exists()
-            else "does not exist"
         )
         raise ConfigError(
             f"availability {spec!r} is neither 'random', 'diurnal' nor a trace file (the path {state})"
