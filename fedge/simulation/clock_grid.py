@@ -106,6 +106,9 @@ class ClockGrid(RunGrid):
         self._inner, self._profiles, self._client_of = inner, list(profiles), dict(client_of)
         self._train_flops, self._model_bytes = train_flops, model_bytes
         self.schedule, self._trace, self._seed = schedule or Schedule(), trace, seed
+        self._trace_row: dict[int, int] | None = (
+            None  # each node's row in the trace's clients, when first asked
+        )
         self.now_s = 0.0
         self._round = 0
         self._delays: list[float] = []  # recent reply delays, most recent first: Schedule.next_deadline's
@@ -165,10 +168,19 @@ class ClockGrid(RunGrid):
     def run(self) -> Run:
         return self._inner.run
 
+    def _available(self, trace: AvailabilityTrace, nodes: list[int]) -> list[int]:
+        """The ``nodes`` available now, from one vectorised query of the whole trace (asking it client by
+        client had cost 0.3 s a round at 20,000 clients, each call a search of its own)."""
+        if self._trace_row is None:
+            position = {client: i for i, client in enumerate(trace.clients)}
+            self._trace_row = {node: position[client] for node, client in self._client_of.items()}
+        here = trace.available(self.now_s)
+        return [n for n in nodes if here[self._trace_row[n]]]
+
     def get_node_ids(self) -> Iterable[int]:
         nodes = [n for n in self._inner.get_node_ids() if self._fits(n) and n not in self._absent]
         if self.schedule.availability_aware and self._trace is not None:
-            available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
+            available = self._available(self._trace, nodes)
             if not available and nodes and not self._queued:  # nobody is there: wait for the first
                 first = min(self._trace.next_available(self._client_of[n], self.now_s) for n in nodes)
                 if not math.isfinite(first):  # Flower's sampling would wait for a node forever
@@ -176,7 +188,7 @@ class ClockGrid(RunGrid):
                         f"no client of the availability trace is available after t = {self.now_s:.1f} s"
                     )
                 self.now_s = first
-                available = [n for n in nodes if self._trace.is_available(self._client_of[n], self.now_s)]
+                available = self._available(self._trace, nodes)
             nodes = available
         return nodes
 
