@@ -6,9 +6,11 @@ ClientApp's train calls (receiving the global model into the task's model, the t
 weights), for a whole run: the same run on a Grid that calls the ClientApp in this process, one call at a
 time, each timed on its own (``training_floor_s``: their sum over the workers). What an engine adds above it
 is its own: messages crossing to its workers and back, process management, idle cores at a round's end and
-between rounds, the coordinator's decoding. Each engine, and the floor, is timed as the fastest of three
-whole runs (one with ``--quick``), the floor's runs interleaved with the local engine's so that a machine
-that slows down mid-bench slows both; every run's wall time is in the JSON (``wall_s_runs``).
+between rounds, the coordinator's decoding, the ServerApp's aggregation and central evaluation between
+rounds. Each engine, and the floor, is timed as the fastest of five whole runs (one with ``--quick``): other
+work on the machine only ever adds time, and its speed was seen to move by 15 % between runs. The floor's
+runs are interleaved with the local engine's, so that a machine that slows down mid-bench slows both; every
+run's wall time is in the JSON (``wall_s_runs``, ``training_floor_s_runs``).
 
 * ``overhead_ratio``: Ray's seconds above the floor over the local engine's (goal >= 20);
 * ``local_efficiency``: the floor over the local engine's wall seconds (goal >= 0.8);
@@ -204,7 +206,7 @@ def _timed_run(config: SimulationConfig) -> dict:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     clients, rounds = (10, 3) if args.quick else (50, 10)
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 5
     logging.getLogger("flwr").setLevel(logging.ERROR)
     app = AppConfig(rounds=rounds)
     # Prepare once before timing: the on-disk split cache is then warm for both engines alike.

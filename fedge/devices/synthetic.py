@@ -86,7 +86,9 @@ def diurnal_trace(
     mean_session_s : float (default: 3600.0)
         Mean length of an available session, seconds.
     step_s : float (default: 60.0)
-        Time step of the chain, seconds; memory is ``n_clients * days * 86400 / step_s`` bytes.
+        Time step of the chain, seconds. While it is built the trace takes about 30 bytes a client and
+        step (``n_clients * days * 86400 / step_s`` steps; float64 phases, probabilities and join rates
+        beside the states): 44 kB a client for a day of minutes, 0.9 GB for 20,000 clients.
     days : int (default: 1)
         The loop length in days.
     seed : int (default: 0)
