@@ -187,33 +187,27 @@ def read_availability(path: str | Path, *, max_bytes: int = MAX_TRACE_BYTES) -> 
         )
     intervals, periods, past = {}, {}, []
     for client, entry in table.items():
+        named = f"{path}: client {shown(client)}"
         if not isinstance(entry, dict):
-            raise TraceError(f"{path}: client {shown(client)} must map to a dict")
+            raise TraceError(f"{named} must map to a dict")
         active, inactive = entry.get("active"), entry.get("inactive")
         if not isinstance(active, list) or not isinstance(inactive, list) or len(active) != len(inactive):
-            raise TraceError(
-                f"{path}: client {shown(client)} needs 'active' and 'inactive' lists of equal length"
-            )
-        named = f"{path}: client {shown(client)}"
+            raise TraceError(f"{named} needs 'active' and 'inactive' lists of equal length")
         starts_named, ends_named = f"{named} active", f"{named} inactive"
         starts = [_number(v, starts_named) for v in active]
         ends = [_number(v, ends_named) for v in inactive]
         for start, end in zip(starts, ends, strict=True):  # a reversed or empty interval is a broken trace
             if not 0 <= start < end:
                 raise TraceError(
-                    f"{path}: client {shown(client)} has the interval [{start:g}, {end:g}): "
-                    "want 0 <= active < inactive"
+                    f"{named} has the interval [{start:g}, {end:g}): want 0 <= active < inactive"
                 )
-        period = _number(
-            entry.get("finish_time") or entry.get("duration") or 0,
-            f"{path}: client {shown(client)} finish_time",
-        )
+        period = _number(entry.get("finish_time") or entry.get("duration") or 0, f"{named} finish_time")
         if period < 0:
-            raise TraceError(f"{path}: client {shown(client)} has a negative finish_time or duration")
+            raise TraceError(f"{named} has a negative finish_time or duration")
         if period == 0:
             period = max(ends, default=0.0)
         if period <= 0:
-            raise TraceError(f"{path}: client {shown(client)} has no positive finish_time or duration")
+            raise TraceError(f"{named} has no positive finish_time or duration")
         if starts and min(starts) >= period:  # the trace loops before any of them: the client never comes
             past.append(client)
         intervals[client], periods[client] = list(zip(starts, ends, strict=True)), period
